@@ -1,0 +1,61 @@
+#include "kernels/cpu/linear.h"
+
+#include <algorithm>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#include "util/threadpool.h"
+
+namespace dsx::cpu {
+
+float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float s = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps(),
+         acc3 = _mm256_setzero_ps();
+  for (; i + 32 <= n; i += 32) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16), acc2);
+    acc3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24), acc3);
+  }
+  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  __m256 acc = _mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3));
+  __m128 lo = _mm256_castps256_ps128(acc), hi = _mm256_extractf128_ps(acc, 1);
+  __m128 v = _mm_add_ps(lo, hi);
+  v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+  v = _mm_add_ss(v, _mm_shuffle_ps(v, v, 1));
+  s = _mm_cvtss_f32(v);
+#endif
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+void matmul_rows(const float* x, int64_t T, const QMatrix& W, int64_t r0, int64_t r1, float* y, int64_t ldy) {
+  const int64_t K = W.cols;
+  const int64_t n = r1 - r0;
+  constexpr int64_t kTile = 16;
+  const int64_t tiles = (n + kTile - 1) / kTile;
+  // Each task dequantizes a tile of weight rows once and uses it for all T rows of x.
+  parallel_for(tiles, 1,
+               [&](int64_t b, int64_t e) {
+                 std::vector<float> buf(static_cast<size_t>(kTile * K));
+                 for (int64_t tile = b; tile < e; ++tile) {
+                   const int64_t a0 = r0 + tile * kTile, a1 = std::min(r1, a0 + kTile);
+                   W.dequant_rows(a0, a1, buf.data());
+                   for (int64_t t = 0; t < T; ++t) {
+                     const float* xr = x + t * K;
+                     float* yr = y + t * ldy + (a0 - r0);
+                     for (int64_t j = 0; j < a1 - a0; ++j) yr[j] = dot(xr, buf.data() + j * K, K);
+                   }
+                 }
+               });
+}
+
+void matmul(const float* x, int64_t T, const QMatrix& W, float* y) { matmul_rows(x, T, W, 0, W.rows, y, W.rows); }
+
+}  // namespace dsx::cpu

@@ -1,0 +1,82 @@
+#include "kernels/qmatrix.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "util/numerics.h"
+
+namespace dsx {
+
+int64_t QMatrix::bytes() const {
+  switch (fmt) {
+    case WFormat::F32: return rows * cols * 4;
+    case WFormat::BF16: return rows * cols * 2;
+    case WFormat::FP8_BLOCK: return rows * cols + ((rows + block - 1) / block) * scale_cols();
+    case WFormat::MXFP4: return rows * cols / 2 + rows * (cols / 32);
+  }
+  return 0;
+}
+
+namespace {
+struct E4M3Table {
+  float v[256];
+  E4M3Table() {
+    for (int i = 0; i < 256; ++i) v[i] = e4m3_to_f32(static_cast<uint8_t>(i));
+  }
+};
+const E4M3Table& e4m3_table() {
+  static E4M3Table t;
+  return t;
+}
+}  // namespace
+
+void QMatrix::dequant_rows(int64_t r0, int64_t r1, float* out) const {
+  const int64_t K = cols;
+  switch (fmt) {
+    case WFormat::F32:
+      std::memcpy(out, reinterpret_cast<const float*>(data) + r0 * K, static_cast<size_t>((r1 - r0) * K) * 4);
+      return;
+    case WFormat::BF16: {
+      const auto* p = reinterpret_cast<const uint16_t*>(data);
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t k = 0; k < K; ++k) out[(r - r0) * K + k] = bf16_to_f32(p[r * K + k]);
+      return;
+    }
+    case WFormat::FP8_BLOCK: {
+      const float* lut = e4m3_table().v;
+      const int64_t sc = scale_cols();
+      for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* w = data + r * K;
+        const uint8_t* s = scale + (r / block) * sc;
+        float* o = out + (r - r0) * K;
+        for (int64_t b = 0; b < sc; ++b) {
+          const float f = e8m0_to_f32(s[b]);
+          const int64_t k1 = std::min<int64_t>(K, (b + 1) * block);
+          for (int64_t k = b * block; k < k1; ++k) o[k] = lut[w[k]] * f;
+        }
+      }
+      return;
+    }
+    case WFormat::MXFP4: {
+      static const float kE2M1[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                                      -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+      const int64_t sc = K / 32;
+      for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* w = data + r * (K / 2);
+        const uint8_t* s = scale + r * sc;
+        float* o = out + (r - r0) * K;
+        for (int64_t b = 0; b < sc; ++b) {
+          const float f = e8m0_to_f32(s[b]);
+          for (int64_t j = 0; j < 16; ++j) {
+            const uint8_t byte = w[b * 16 + j];
+            o[b * 32 + 2 * j] = kE2M1[byte & 15] * f;
+            o[b * 32 + 2 * j + 1] = kE2M1[byte >> 4] * f;
+          }
+        }
+      }
+      return;
+    }
+  }
+}
+
+}  // namespace dsx
