@@ -43,7 +43,7 @@ TEST(EngramHash, TinySpecVectors) {
   const int32_t hist[4] = {5, 17, 42, 99};
   int64_t r[6];
   auto check = [&](int layer, int t, std::vector<int64_t> want) {
-    L.row_ids(layer, hist, t, r);
+    L.row_ids(layer, hist, 0, t, r);
     EXPECT_EQ(std::vector<int64_t>(r, r + 6), want) << "layer " << layer << " t " << t;
   };
   check(0, 0, {149, 1158, 2160, 3333, 4528, 5904});
@@ -66,19 +66,19 @@ TEST(EngramHash, ReleaseVectors) {
   auto L = EngramLayout::build(c, 7);  // the spec's placeholder pad_c
   const int32_t hist[4] = {1000, 2000, 3000, 4000};
   int64_t r[24];
-  L.row_ids(0, hist, 0, r);
+  L.row_ids(0, hist, 0, 0, r);
   EXPECT_EQ(std::vector<int64_t>(r, r + 24),
             (std::vector<int64_t>{4551967, 30678283, 47613307, 55179107, 66815303, 86770828, 104763035, 114472427,
                                   142068703, 150463205, 175466452, 190576665, 197400306, 208941805, 234416144,
                                   250808253, 261625816, 275278555, 299946076, 304312112, 328568696, 348971217,
                                   356020045, 373563906}));
-  L.row_ids(0, hist, 3, r);
+  L.row_ids(0, hist, 0, 3, r);
   EXPECT_EQ(std::vector<int64_t>(r, r + 24),
             (std::vector<int64_t>{15465977, 28790835, 32971381, 50776212, 70685234, 88308810, 97180690, 115458442,
                                   130437439, 147954272, 164404239, 187601822, 193743686, 213368287, 235496802,
                                   240837074, 261497777, 281534125, 295127654, 310093209, 325466156, 340619041,
                                   353861828, 370049875}));
-  L.row_ids(1, hist, 3, r);
+  L.row_ids(1, hist, 0, 3, r);
   EXPECT_EQ(std::vector<int64_t>(r, r + 24),
             (std::vector<int64_t>{531236, 19249339, 45052628, 57007057, 71010245, 82245460, 99433893, 116549208,
                                   136118722, 154953410, 173178409, 178921715, 199111094, 209268856, 237367362,

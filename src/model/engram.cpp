@@ -147,12 +147,12 @@ EngramLayout EngramLayout::build(const ModelConfig& c, int64_t pad_compressed) {
   return L;
 }
 
-void EngramLayout::row_ids(int layer, const int32_t* hist, int64_t t, int64_t* out) const {
+void EngramLayout::row_ids(int layer, const int32_t* hist, int64_t hist_start, int64_t t, int64_t* out) const {
   const auto& mu = multipliers[static_cast<size_t>(layer)];
   bool blocked = false;
   int64_t rolling = 0;
   for (int s = 0; s < max_ngram; ++s) {
-    int64_t src = (t - s >= 0) ? hist[t - s] : -1;
+    int64_t src = (t - s >= 0) ? hist[t - s - hist_start] : -1;
     blocked = blocked || (t < s) || (src < 0);
     const int64_t c = blocked ? pad_compressed : src;
     const int64_t x = c * mu[static_cast<size_t>(s)];

@@ -28,9 +28,10 @@ struct EngramLayout {
   // engram_num_embeddings. pad_compressed = cmap[engram_pad_id].
   static EngramLayout build(const ModelConfig& cfg, int64_t pad_compressed);
 
-  // Row ids of engram layer `layer` for the token at absolute position t, given the
-  // compressed ids of positions 0..t (hist[t] = current token; < 0 = DEAD).
-  void row_ids(int layer, const int32_t* hist, int64_t t, int64_t* out) const;
+  // Row ids of engram layer `layer` for the token at absolute position t. hist[i]
+  // is the compressed id of position hist_start + i (< 0 = DEAD) and covers
+  // positions max(0, t - max_ngram + 1) .. t.
+  void row_ids(int layer, const int32_t* hist, int64_t hist_start, int64_t t, int64_t* out) const;
 };
 
 }  // namespace dsx

@@ -1,0 +1,42 @@
+#include "kernels/cuda/cuda_util.h"
+
+namespace dsx::cuda {
+
+bool device_available() {
+  static int cached = -1;
+  if (cached < 0) {
+    int n = 0;
+    cached = (cudaGetDeviceCount(&n) == cudaSuccess && n > 0) ? 1 : 0;
+    if (!cached) cudaGetLastError();  // clear the sticky error of a failed query
+  }
+  return cached == 1;
+}
+
+void DeviceBuffer::alloc(size_t bytes) {
+  release();
+  if (bytes == 0) return;
+  DSX_CUDA_CHECK(cudaMalloc(&p_, bytes));
+  n_ = bytes;
+}
+
+void DeviceBuffer::release() {
+  if (p_) cudaFree(p_);
+  p_ = nullptr;
+  n_ = 0;
+}
+
+void DeviceBuffer::upload(const void* host, size_t bytes, size_t offset) {
+  DSX_CHECK(offset + bytes <= n_, "DeviceBuffer::upload out of range");
+  DSX_CUDA_CHECK(cudaMemcpy(static_cast<char*>(p_) + offset, host, bytes, cudaMemcpyHostToDevice));
+}
+
+void DeviceBuffer::download(void* host, size_t bytes, size_t offset) const {
+  DSX_CHECK(offset + bytes <= n_, "DeviceBuffer::download out of range");
+  DSX_CUDA_CHECK(cudaMemcpy(host, static_cast<const char*>(p_) + offset, bytes, cudaMemcpyDeviceToHost));
+}
+
+void DeviceBuffer::zero() {
+  if (p_) DSX_CUDA_CHECK(cudaMemset(p_, 0, n_));
+}
+
+}  // namespace dsx::cuda

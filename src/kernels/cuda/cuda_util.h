@@ -1,0 +1,59 @@
+// CUDA helpers shared by the kernels and the CUDA backend. Host-only header
+// (includes the runtime API only), safe to include from .cpp files compiled
+// by the host compiler when DSX_HAVE_CUDA is defined.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "util/error.h"
+
+#define DSX_CUDA_CHECK(expr)                                                                   \
+  do {                                                                                         \
+    cudaError_t dsx_err_ = (expr);                                                             \
+    if (dsx_err_ != cudaSuccess)                                                               \
+      ::dsx::fail("CUDA error ", cudaGetErrorString(dsx_err_), " at ", __FILE__, ":", __LINE__, \
+                  " (", #expr, ")");                                                           \
+  } while (0)
+
+namespace dsx::cuda {
+
+// True when a CUDA device is present and usable (tests skip otherwise).
+bool device_available();
+
+// Owning device allocation (cudaMalloc), movable.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t bytes) { alloc(bytes); }
+  ~DeviceBuffer() { release(); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& o) noexcept : p_(std::exchange(o.p_, nullptr)), n_(std::exchange(o.n_, 0)) {}
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    if (this != &o) {
+      release();
+      p_ = std::exchange(o.p_, nullptr);
+      n_ = std::exchange(o.n_, 0);
+    }
+    return *this;
+  }
+  void alloc(size_t bytes);
+  void release();
+  void upload(const void* host, size_t bytes, size_t offset = 0);
+  void download(void* host, size_t bytes, size_t offset = 0) const;
+  void zero();
+  void* get() const { return p_; }
+  template <typename T>
+  T* as() const { return static_cast<T*>(p_); }
+  size_t size() const { return n_; }
+
+ private:
+  void* p_ = nullptr;
+  size_t n_ = 0;
+};
+
+}  // namespace dsx::cuda
