@@ -110,6 +110,26 @@ std::vector<int64_t> numpy_default_rng_integers(uint64_t seed, int64_t high, int
   return out;
 }
 
+std::vector<std::vector<int64_t>> engram_bucket_primes(int n_layers, int max_ngram, int n_heads, int64_t vocab_size) {
+  std::set<int64_t> seen;
+  std::vector<std::vector<int64_t>> out;
+  for (int li = 0; li < n_layers; ++li) {
+    std::vector<int64_t> primes;
+    for (int g = 0; g < max_ngram - 1; ++g) {
+      int64_t cur = vocab_size - 1;
+      for (int h = 0; h < n_heads; ++h) {
+        int64_t cand = cur + 1;
+        while (!is_prime(cand) || seen.count(cand)) ++cand;
+        seen.insert(cand);
+        cur = cand;
+        primes.push_back(cand);
+      }
+    }
+    out.push_back(std::move(primes));
+  }
+  return out;
+}
+
 EngramLayout EngramLayout::build(const ModelConfig& c, int64_t pad_compressed) {
   EngramLayout L;
   L.n_layers = static_cast<int>(c.engram_layers.size());
@@ -118,25 +138,18 @@ EngramLayout EngramLayout::build(const ModelConfig& c, int64_t pad_compressed) {
   L.n_cols = (c.engram_max_ngram - 1) * c.engram_n_heads;
   L.pad_compressed = pad_compressed;
   const int64_t bound = std::max<int64_t>(1, (std::numeric_limits<int64_t>::max() / c.engram_compressed_vocab) / 2);
-  std::set<int64_t> seen;
+  const auto all_primes = engram_bucket_primes(L.n_layers, c.engram_max_ngram, c.engram_n_heads, c.engram_vocab_size);
   for (int li = 0; li < L.n_layers; ++li) {
     const int layer_id = c.engram_layers[static_cast<size_t>(li)];
     auto v = numpy_default_rng_integers(10007ull * static_cast<uint64_t>(layer_id), bound, c.engram_max_ngram);
     for (auto& x : v) x = 2 * x + 1;
     L.multipliers.push_back(v);
-    std::vector<int64_t> primes, offsets;
+    const auto& primes = all_primes[static_cast<size_t>(li)];
+    std::vector<int64_t> offsets;
     int64_t total = 0;
-    for (int g = 0; g < c.engram_max_ngram - 1; ++g) {
-      int64_t cur = c.engram_vocab_size - 1;
-      for (int h = 0; h < c.engram_n_heads; ++h) {
-        int64_t cand = cur + 1;
-        while (!is_prime(cand) || seen.count(cand)) ++cand;
-        seen.insert(cand);
-        cur = cand;
-        primes.push_back(cand);
-        offsets.push_back(total);
-        total += cand;
-      }
+    for (int64_t p : primes) {
+      offsets.push_back(total);
+      total += p;
     }
     if (total != c.engram_num_embeddings[static_cast<size_t>(li)])
       fail("engram layer ", layer_id, ": the prime buckets sum to ", total, " rows but engram_num_embeddings says ",

@@ -13,6 +13,11 @@ namespace dsx {
 // for a non-negative integer seed and high > 2^32 (the only case the model uses).
 std::vector<int64_t> numpy_default_rng_integers(uint64_t seed, int64_t high, int n);
 
+// Prime bucket sizes of every engram layer, order-major (n-gram order, then head):
+// for each order the walk restarts at engram_vocab_size - 1 and takes the next
+// prime not handed out before (spec §3.2.2).
+std::vector<std::vector<int64_t>> engram_bucket_primes(int n_layers, int max_ngram, int n_heads, int64_t vocab_size);
+
 struct EngramLayout {
   int n_layers = 0;        // engram layers
   int max_ngram = 0;       // N (orders 2..N)

@@ -1,0 +1,101 @@
+// Model commands: logits, generate, info.
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "cli/registry.h"
+#include "runtime/engine.h"
+#include "runtime/sampler.h"
+#include "util/error.h"
+#include "util/safetensors.h"
+#include "util/threadpool.h"
+
+namespace dsx::cli {
+
+namespace {
+
+const std::vector<std::string> kEngineOpts = {"--backend", "--precision", "--threads"};
+
+EngineOptions engine_options(const Args& a) {
+  EngineOptions o;
+  o.backend = a.get_or("--backend", "cpu");
+  o.precision = a.get_or("--precision", "fp32");
+  if (a.has("--threads")) set_num_threads(static_cast<int>(a.get_int("--threads", 0)));
+  return o;
+}
+
+std::vector<std::string> with(std::vector<std::string> a, const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+std::vector<int32_t> read_ids_file(const std::string& path) {
+  SafetensorsFile f(path);
+  const TensorView* t = f.find("input_ids");
+  if (!t) fail(path, ": no tensor 'input_ids'");
+  if (t->dtype != DType::I32 && t->dtype != DType::I64)
+    fail(path, ": input_ids must be I32 (or I64), got ", dtype_name(t->dtype));
+  if (t->shape.size() != 1) fail(path, ": input_ids must be one-dimensional, got ", t->shape_str());
+  std::vector<int32_t> ids(static_cast<size_t>(t->numel()));
+  for (size_t i = 0; i < ids.size(); ++i) {
+    int64_t v = t->dtype == DType::I32 ? t->as<int32_t>()[i] : t->as<int64_t>()[i];
+    if (v < 0 || v > INT32_MAX) fail(path, ": input_ids[", i, "] = ", v, " is not a token id");
+    ids[i] = static_cast<int32_t>(v);
+  }
+  if (ids.empty()) fail(path, ": input_ids is empty");
+  return ids;
+}
+
+int cmd_logits(int argc, char** argv) {
+  Args a(argc, argv, with({"-m", "--ids", "--decode-from", "-o"}, kEngineOpts), {});
+  const std::string dir = a.require("-m"), out = a.require("-o");
+  auto ids = read_ids_file(a.require("--ids"));
+  const int64_t T = static_cast<int64_t>(ids.size());
+  const int64_t t0 = a.get_int("--decode-from", T);
+  if (t0 < 1 || t0 > T) fail("--decode-from ", t0, " must be in [1, ", T, "]");
+  auto eng = load_engine(dir, engine_options(a));
+  const int64_t V = eng->config().vocab_size;
+  std::vector<float> logits(static_cast<size_t>(T * V));
+  auto s = eng->new_session();
+  s->feed(ids.data(), t0, logits.data(), true);
+  for (int64_t t = t0; t < T; ++t) s->feed(ids.data() + t, 1, logits.data() + t * V, false);
+  SafetensorsWriter w;
+  w.add("logits", DType::F32, {T, V}, logits);
+  w.write(out);
+  return 0;
+}
+
+int cmd_generate(int argc, char** argv) {
+  Args a(argc, argv, with({"-m", "--ids", "-n", "--temperature", "--top-p", "--top-k", "--seed"}, kEngineOpts),
+         {"--greedy"});
+  const std::string dir = a.require("-m");
+  auto ids = read_ids_file(a.require("--ids"));
+  const int64_t n = a.get_int("-n", 16);
+  if (n < 0) fail("-n must be >= 0");
+  SamplerOptions so;
+  so.temperature = a.has("--greedy") ? 0.0f : static_cast<float>(a.get_double("--temperature", 0.0));
+  so.top_p = static_cast<float>(a.get_double("--top-p", 1.0));
+  so.top_k = static_cast<int>(a.get_int("--top-k", 0));
+  so.seed = static_cast<uint64_t>(a.get_int("--seed", 0));
+  Sampler sampler(so);
+  auto eng = load_engine(dir, engine_options(a));
+  const int64_t V = eng->config().vocab_size;
+  std::vector<float> logits(static_cast<size_t>(V));
+  auto s = eng->new_session();
+  s->feed(ids.data(), static_cast<int64_t>(ids.size()), logits.data(), false);
+  std::string line;
+  for (int64_t i = 0; i < n; ++i) {
+    int32_t next = sampler.sample(logits.data(), V);
+    line += (i ? " " : "") + std::to_string(next);
+    if (i + 1 < n) s->feed(&next, 1, logits.data(), false);
+  }
+  std::printf("%s\n", line.c_str());
+  return 0;
+}
+
+}  // namespace
+
+DSX_COMMAND("logits", "write the logits of every position of a prompt (safetensors)", cmd_logits);
+DSX_COMMAND("generate", "continue a prompt of token ids, printing the new ids", cmd_generate);
+
+}  // namespace dsx::cli

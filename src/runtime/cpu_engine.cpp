@@ -1,0 +1,77 @@
+// The CPU reference engine: V41Cpu behind the Engine / Session interface.
+#include <map>
+#include <mutex>
+
+#include "model/v41_cpu.h"
+#include "model/weights.h"
+#include "runtime/engine.h"
+#include "util/error.h"
+#include "util/threadpool.h"
+
+namespace dsx {
+
+namespace {
+
+class CpuSession : public Session {
+ public:
+  CpuSession(const V41Cpu& m, int rollback) : m_(m), st_(m.new_state(rollback)) {}
+  int64_t position() const override { return st_.pos; }
+  const std::vector<int32_t>& tokens() const override { return st_.tokens; }
+  void feed(const int32_t* ids, int64_t n, float* logits, bool all_rows) override {
+    m_.forward(st_, ids, n, logits, all_rows);
+  }
+  std::vector<uint8_t> save() const override { return st_.save(); }
+  void restore(const std::vector<uint8_t>& s) override { st_.restore(s.data(), s.size()); }
+  void rollback(int64_t p) override { st_.rollback(p); }
+  int64_t state_bytes() const override { return st_.bytes(); }
+
+ private:
+  const V41Cpu& m_;
+  KVState st_;
+};
+
+class CpuEngine : public Engine {
+ public:
+  CpuEngine(std::unique_ptr<V41Cpu> m, int rollback) : m_(std::move(m)), rollback_(rollback) {}
+  const ModelConfig& config() const override { return m_->config(); }
+  std::unique_ptr<Session> new_session() override { return std::make_unique<CpuSession>(*m_, rollback_); }
+  std::string describe() const override {
+    return cat("cpu f32, ", num_threads(), " threads");
+  }
+
+ private:
+  std::unique_ptr<V41Cpu> m_;
+  int rollback_;
+};
+
+std::map<std::string, EngineFactory>& factories() {
+  static std::map<std::string, EngineFactory> f;
+  return f;
+}
+
+}  // namespace
+
+void register_engine_backend(const std::string& name, EngineFactory f) { factories()[name] = std::move(f); }
+
+std::unique_ptr<Engine> load_engine(const std::string& dir, const EngineOptions& opts) {
+  if (opts.backend != "cpu") {
+    auto it = factories().find(opts.backend);
+    if (it == factories().end())
+      fail("backend '", opts.backend, "' is not available in this build (cpu", factories().empty() ? "" : ", ",
+           [] {
+             std::string s;
+             for (const auto& [k, v] : factories()) s += (s.empty() ? "" : ", ") + k;
+             return s;
+           }(),
+           ")");
+    return it->second(dir, opts);
+  }
+  if (opts.precision != "fp32") fail("the CPU engine computes in fp32 only (got --precision ", opts.precision, ")");
+  ModelConfig cfg = load_model_config(dir);
+  auto files = std::make_shared<ModelFiles>(dir);
+  ModelWeights w = bind_weights(cfg, files);
+  std::vector<int32_t> cmap = load_engram_token_map(dir, cfg);
+  return std::make_unique<CpuEngine>(std::make_unique<V41Cpu>(cfg, std::move(w), std::move(cmap)), opts.rollback_depth);
+}
+
+}  // namespace dsx
