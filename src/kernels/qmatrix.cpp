@@ -3,6 +3,10 @@
 #include <algorithm>
 #include <cstring>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include "util/numerics.h"
 
 namespace dsx {
@@ -37,9 +41,16 @@ void QMatrix::dequant_rows(int64_t r0, int64_t r1, float* out) const {
       std::memcpy(out, reinterpret_cast<const float*>(data) + r0 * K, static_cast<size_t>((r1 - r0) * K) * 4);
       return;
     case WFormat::BF16: {
-      const auto* p = reinterpret_cast<const uint16_t*>(data);
-      for (int64_t r = r0; r < r1; ++r)
-        for (int64_t k = 0; k < K; ++k) out[(r - r0) * K + k] = bf16_to_f32(p[r * K + k]);
+      const uint16_t* p = reinterpret_cast<const uint16_t*>(data) + r0 * K;
+      const int64_t n = (r1 - r0) * K;
+      int64_t i = 0;
+#if defined(__AVX2__)
+      for (; i + 8 <= n; i += 8) {
+        __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i)));
+        _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+      }
+#endif
+      for (; i < n; ++i) out[i] = bf16_to_f32(p[i]);
       return;
     }
     case WFormat::FP8_BLOCK: {

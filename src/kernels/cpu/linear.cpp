@@ -41,16 +41,24 @@ void matmul_rows(const float* x, int64_t T, const QMatrix& W, int64_t r0, int64_
   constexpr int64_t kTile = 16;
   const int64_t tiles = (n + kTile - 1) / kTile;
   // Each task dequantizes a tile of weight rows once and uses it for all T rows of x.
-  parallel_for(tiles, 1,
+  // Small products are not worth waking the pool.
+  const bool small = n * K * std::max<int64_t>(T, 4) < (int64_t{1} << 17);
+  parallel_for(small ? 1 : tiles, 1,
                [&](int64_t b, int64_t e) {
-                 std::vector<float> buf(static_cast<size_t>(kTile * K));
+                 if (small) e = tiles;
+                 std::vector<float> buf(W.fmt == WFormat::F32 ? 0 : static_cast<size_t>(kTile * K));
                  for (int64_t tile = b; tile < e; ++tile) {
                    const int64_t a0 = r0 + tile * kTile, a1 = std::min(r1, a0 + kTile);
-                   W.dequant_rows(a0, a1, buf.data());
+                   const float* rows = buf.data();
+                   if (W.fmt == WFormat::F32) {
+                     rows = reinterpret_cast<const float*>(W.data) + a0 * K;  // used in place
+                   } else {
+                     W.dequant_rows(a0, a1, buf.data());
+                   }
                    for (int64_t t = 0; t < T; ++t) {
                      const float* xr = x + t * K;
                      float* yr = y + t * ldy + (a0 - r0);
-                     for (int64_t j = 0; j < a1 - a0; ++j) yr[j] = dot(xr, buf.data() + j * K, K);
+                     for (int64_t j = 0; j < a1 - a0; ++j) yr[j] = dot(xr, rows + j * K, K);
                    }
                  }
                });
