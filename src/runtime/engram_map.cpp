@@ -16,7 +16,7 @@ std::vector<int32_t> load_engram_token_map(const std::string& dir, const ModelCo
               "but the directory has no tokenizer.json");
   text::Tokenizer tok = text::Tokenizer::from_model_dir(dir);
   int32_t n_keys = 0;
-  std::vector<int32_t> map = text::load_or_build_engram_token_map(dir, tok, &n_keys);
+  std::vector<int32_t> map = text::build_engram_token_map(tok, &n_keys);
   if (n_keys != cfg.engram_compressed_vocab)
     fail(tj, ": the tokenizer yields ", n_keys, " distinct Engram keys but the config's engram_compressed_vocab_size is ",
          cfg.engram_compressed_vocab, " (wrong tokenizer for this model?)");
