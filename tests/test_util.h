@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <string>
+#include <unistd.h>
 
 namespace dsx_test {
 
@@ -10,7 +11,7 @@ namespace dsx_test {
 inline std::string temp_dir(const std::string& name) {
   const char* b = std::getenv("DSX_BUILD_DIR");
   std::filesystem::path base = b ? std::filesystem::path(b) / "test_tmp" : std::filesystem::temp_directory_path() / "dsx_test_tmp";
-  auto p = base / name;
+  auto p = base / (name + "-" + std::to_string(::getpid()));  // ctest runs tests in parallel processes
   std::filesystem::remove_all(p);
   std::filesystem::create_directories(p);
   return p.string();
