@@ -35,6 +35,7 @@ class MergeTable {
   // Inserts or overwrites (a later line of `merges` wins, as in HF).
   void set(int32_t a, int32_t b, int32_t rank, int32_t merged);
   const Entry* find(int32_t a, int32_t b) const {
+    if (slots_.empty()) return nullptr;
     const uint64_t key = pack(a, b);
     size_t i = hash(key) & mask_;
     for (;;) {
