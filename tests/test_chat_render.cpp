@@ -611,7 +611,7 @@ TEST(ChatTokens, SpecExampleIdsAndCounts) {
 TEST(ChatTokens, SegmentsEncodeLikeWholeStringOnBenignConversations) {
   DSX_REQUIRE_GOLDEN(golden);
   std::mt19937_64 rng(20260731);
-  int compared = 0;
+  int compared = 0, naive_differs = 0;
   for (int iter = 0; iter < 300; ++iter) {
     const Profile prof = iter % 3 == 0 ? Profile::V4 : iter % 3 == 1 ? Profile::V4_0731 : Profile::V41;
     const auto* tok = tokenizer_for(prof);
@@ -663,10 +663,19 @@ TEST(ChatTokens, SegmentsEncodeLikeWholeStringOnBenignConversations) {
     }
     RenderOptions o = opts(prof, rng() % 2);
     const RenderedPrompt r = render_prompt(conv, o);
-    ASSERT_EQ(encode_segments(*tok, r.segments), tok->encode(r.text, true)) << pyjson::quoted(r.text);
+    const std::vector<int32_t> whole = tok->encode(r.text, true);
+    ASSERT_EQ(encode_segments(*tok, r.segments), whole) << pyjson::quoted(r.text);
+    // Encoding each segment on its own would split BPE pieces at trust boundaries (e.g. "agent." + "\n\n").
+    std::vector<int32_t> naive;
+    for (const auto& seg : r.segments) {
+      const auto ids = tok->encode(seg.text, seg.trusted);
+      naive.insert(naive.end(), ids.begin(), ids.end());
+    }
+    naive_differs += naive != whole;
     ++compared;
   }
   EXPECT_EQ(compared, 300);
+  EXPECT_GT(naive_differs, 0);
 }
 
 TEST(ChatTokens, ClientSpecialStringsStayPlainText) {
@@ -726,4 +735,64 @@ TEST(ChatTokens, OfficialApiPromptCounts) {
     EXPECT_EQ(r.text, kBos + kU + conv.messages[0].content + kA + "</think>");
     EXPECT_EQ(encode_segments(*tok, r.segments).size(), count);
   }
+}
+
+// ---- dsx render CLI ---------------------------------------------------------------------------------------
+
+namespace {
+
+int run_render_cli(const std::string& args, std::string* out) {
+  const char* b = std::getenv("DSX_BUILD_DIR");
+  const std::string cmd = std::string(b) + "/dsx render " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  if (!p) return -1;
+  std::string s;
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof buf, p)) s.append(buf, n);
+  const int rc = pclose(p);
+  *out = s;
+  return WEXITSTATUS(rc);
+}
+
+}  // namespace
+
+TEST(ChatRenderCli, TextIdsAndErrors) {
+  const char* b = std::getenv("DSX_BUILD_DIR");
+  if (!b || !std::filesystem::exists(std::string(b) + "/dsx")) GTEST_SKIP() << "dsx binary not found (run through ctest)";
+  const std::string tmp = dsx_test::temp_dir("chat_render_cli");
+  const pyjson::Value root = load_cases();
+  for (const auto& c : root.get("cases")->items) {
+    const std::string name = c.get("name")->text;
+    if (name != "E4" && name != "E7" && name != "E1" && name != "E5c" && name != "E5d") continue;
+    SCOPED_TRACE(name);
+    pyjson::Value req = pyjson::Value::object();
+    req.members.emplace_back("messages", *c.get("messages"));
+    if (const auto* t = c.get("tools")) req.members.emplace_back("tools", *t);
+    const std::string file = tmp + "/" + name + ".json";
+    std::ofstream(file, std::ios::binary) << pyjson::dumps(req);
+    std::string args = "--messages " + file + " --profile " + c.get("profile")->text;
+    args += c.get("thinking")->boolean ? " --thinking on" : " --thinking off";
+    if (const auto* e = c.get("effort")) args += " --effort " + e->text;
+    std::string out;
+    ASSERT_EQ(run_render_cli(args, &out), 0) << out;
+    EXPECT_EQ(out, c.get("expected")->text);  // exactly the prompt, no trailing newline
+    const std::string g = dsx_test::golden_dir();
+    if (!g.empty() && c.get("ids")) {
+      const std::string tf = g + "/tokenizer/" + (c.get("profile")->text == "v41" ? "tokenizer-v41.json" : "tokenizer-v4.json");
+      ASSERT_EQ(run_render_cli(args + " --ids --tokenizer " + tf, &out), 0) << out;
+      std::string want;
+      for (const auto& id : c.get("ids")->items) want += (want.empty() ? "" : " ") + id.text;
+      EXPECT_EQ(out, want + "\n");
+    }
+  }
+  std::string out;
+  std::ofstream(tmp + "/bad.json") << "[{\"role\": \"user\", \"content\": 3}]";
+  EXPECT_EQ(run_render_cli("--messages " + tmp + "/bad.json", &out), 1);
+  EXPECT_NE(out.find("messages[0].content"), std::string::npos) << out;
+  EXPECT_EQ(run_render_cli("--messages " + tmp + "/missing.json", &out), 1);
+  std::ofstream(tmp + "/ok.json") << "[{\"role\": \"user\", \"content\": \"Hi\"}]";
+  EXPECT_EQ(run_render_cli("--messages " + tmp + "/ok.json --ids", &out), 1);  // --ids needs a tokenizer
+  EXPECT_EQ(run_render_cli("--messages " + tmp + "/ok.json --thinking maybe", &out), 1);
+  ASSERT_EQ(run_render_cli("--messages " + tmp + "/ok.json", &out), 0);  // defaults: v41, thinking on, high
+  EXPECT_EQ(out, kBos + kS + v41_effort_text(75) + kU + "Hi" + kA + "<think>");
 }

@@ -3,12 +3,16 @@
 // policy (§3.5), argument typing (§3.4), finish-reason mapping (§3.8) and the replay map (§3.7).
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <random>
 
 #include "test_util.h"
 #include "text/chat.h"
 #include "text/dsml.h"
+#include "text/tokenizer.h"
 
 using namespace dsx;
 using namespace dsx::text;
@@ -666,4 +670,66 @@ TEST(ReplayMapTest, LookupRulesAndEviction) {
   const std::string id = map.new_id("call_");
   EXPECT_EQ(id.size(), 37u);
   EXPECT_FALSE(map.contains(id));
+}
+
+// ---- driven by real token ids (golden tokenizer) --------------------------------------------------------
+
+namespace {
+
+const dsx::text::Tokenizer* parser_tokenizer() {
+  static std::unique_ptr<dsx::text::Tokenizer> tok;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    const std::string g = dsx_test::golden_dir();
+    const std::string path = g + "/tokenizer/tokenizer-v4.json";
+    if (!g.empty() && std::filesystem::exists(path))
+      tok = std::make_unique<dsx::text::Tokenizer>(dsx::text::Tokenizer::from_file(path));
+  });
+  return tok.get();
+}
+
+}  // namespace
+
+TEST(DsmlStream, TokenIdsS1AndBlockStart) {
+  DSX_REQUIRE_GOLDEN(golden);
+  const auto* tok = parser_tokenizer();
+  if (!tok) GTEST_SKIP() << "golden tokenizer not found";
+  // S1: ids 18872, 7063, 102527, 40965, 124, 1950 → "emo", "ji", " 👍", "🏽", " test".
+  {
+    DsmlParser p(popts(Profile::V4, false));
+    std::vector<std::string> deltas;
+    for (int32_t id : {18872, 7063, 102527, 40965, 124, 1950})
+      for (const auto& e : p.push(tok->decode_one(id))) deltas.push_back(e.text);
+    for (const auto& e : p.finish(EndCause::Eos)) deltas.push_back(e.text);
+    EXPECT_EQ(deltas, (std::vector<std::string>{"emo", "ji", " 👍", "🏽", " test"}));
+  }
+  // S3 / §3.2: the sampled token sequence of a V4 block (§6.1's golden ids), after visible content.
+  {
+    const std::vector<int32_t> block_ids = {
+        271,  30,    128825, 72461, 4941,  12548, 1018,  30,    128825, 40148, 5406,  2329,  1281,  1133,   65,
+        50219, 3816, 30,     128825, 41523, 2329,  1281,  37399, 4,      3418,  1281,  11476, 3320,  51119,  1718,
+        128825, 41523, 1018, 30,     128825, 41523, 2329,  1281,  28026,  4,     3418,  1281,  19836, 3320,   21,
+        1718,  128825, 41523, 1018,  1718,  128825, 40148, 5406,  1018,   1718,  128825, 72461, 4941, 12548, 32};
+    DsmlParser p(popts(Profile::V4, false));
+    std::string content;
+    bool stopped_at_closer = false;
+    for (int32_t id : tok->encode("Let me check.", true)) p.push(tok->decode_one(id));
+    for (size_t i = 0; i < block_ids.size(); ++i) {
+      for (const auto& e : p.push(tok->decode_one(block_ids[i])))
+        if (e.type == EventType::ContentDelta) content += e.text;
+      if (p.should_stop()) {
+        stopped_at_closer = i + 1 == block_ids.size();
+        break;
+      }
+    }
+    EXPECT_TRUE(stopped_at_closer);  // before the EOS id 1 is even sampled
+    p.finish(EndCause::Eos);
+    const ParseResult& r = p.result();
+    EXPECT_EQ(r.content, "Let me check.");
+    ASSERT_EQ(r.tool_calls.size(), 1u);
+    EXPECT_EQ(r.tool_calls[0].name, "get_weather");
+    EXPECT_EQ(r.tool_calls[0].arguments, R"({"city": "Paris", "days": 3})");
+    // The stored block re-tokenizes to exactly the sampled ids (trusted tags, untrusted values).
+    EXPECT_EQ(encode_segments(*tok, r.block_segments), block_ids);
+  }
 }

@@ -15,6 +15,7 @@
 
 #include "test_util.h"
 #include "text/bpe.h"
+#include "text/bpe_pretokenizer.h"
 #include "text/test_tokenizer_builder.h"
 #include "text/tokenizer.h"
 #include "text/unicode.h"
@@ -412,6 +413,42 @@ TEST(Tokenizer, LongPiecesAndRuns) {
   EXPECT_EQ(tok.decode(tok.encode(cjk)), cjk);
 }
 
+// ---- Oniguruma -> PCRE2 ---------------------------------------------------------------------------
+
+TEST(Pretokenizer, OnigurumaClassesKeepTheirMeaning) {
+  using dsx::text::onig_to_pcre2;
+  using dsx::text::Regex;
+  auto full_match = [](const std::string& onig, const std::string& subject) {
+    const Regex re(onig_to_pcre2(onig, "test"), false, "test");
+    size_t b = 0, e = 0;
+    return re.search(subject, 0, &b, &e) && b == 0 && e == subject.size();
+  };
+  // \s: Oniguruma's Unicode white space (no U+180E, unlike PCRE2's UCP \s).
+  for (const char* ws : {" ", "\t", "\n", "\x0B", "\x0C", "\r", "\xC2\x85", "\xC2\xA0", "\xE2\x80\x83", "\xE2\x80\xA8", "\xE3\x80\x80"})
+    EXPECT_TRUE(full_match("\\s", ws)) << hex(ws);
+  EXPECT_FALSE(full_match("\\s", "\xE1\xA0\x8E"));  // U+180E
+  EXPECT_TRUE(full_match("\\S", "\xE1\xA0\x8E"));
+  EXPECT_TRUE(full_match("[\\s\\d]+", " 7\xD9\xA3"));
+  // Unicode 16.0 characters in their classes.
+  EXPECT_TRUE(full_match("\\p{L}", "\xF0\x90\xB5\x90"));      // U+10D50 GARAY CAPITAL LETTER A
+  EXPECT_TRUE(full_match("\\p{N}", "\xF0\x90\xB5\x80"));      // U+10D40 GARAY DIGIT ZERO
+  EXPECT_TRUE(full_match("\\d", "\xF0\x90\xB5\x80"));
+  EXPECT_TRUE(full_match("\\p{S}", "\xF0\x9F\xAB\xA8"));      // U+1FAE8 SHAKING FACE
+  EXPECT_TRUE(full_match("[^\\p{S}]", "a"));
+  EXPECT_FALSE(full_match("\\P{S}", "\xF0\x9F\xAB\xA8"));
+  EXPECT_FALSE(full_match("\\p{^S}", "\xF0\x9F\xAB\xA8"));
+  EXPECT_FALSE(full_match("\\p{L}", "\xF0\x90\xA5\x80"));     // U+10940: Unicode 17.0, unknown to HF too
+  // \h is a hex digit in Oniguruma.
+  EXPECT_TRUE(full_match("\\h+", "09afAF"));
+  EXPECT_FALSE(full_match("\\h", " "));
+  EXPECT_TRUE(full_match("[]a]+", "]a]"));
+  EXPECT_THROW(onig_to_pcre2("[\\S]", "test"), dsx::Error);
+  EXPECT_THROW(onig_to_pcre2("[a[b]]", "test"), dsx::Error);
+  EXPECT_THROW(onig_to_pcre2("[a-z&&[^aeiou]]", "test"), dsx::Error);
+  EXPECT_THROW(onig_to_pcre2("abc\\", "test"), dsx::Error);
+  EXPECT_THROW(Regex("(", false, "test"), dsx::Error);
+}
+
 // ---- the BPE merge strategies --------------------------------------------------------------------------
 
 TEST(Bpe, ScanAndHeapMergeAgree) {
@@ -504,6 +541,12 @@ TEST(Tokenizer, MinimalTokenizerJson) {
   EXPECT_EQ(ids, (Ids{'t', 257, 258}));
   EXPECT_EQ(tok.decode(ids), "the the");
   EXPECT_EQ(tok.encode("<|end|>", false).size(), 7u);
+  // Merges may also be written as pairs of strings (newer tokenizers.json files).
+  auto j = minimal_tokenizer();
+  using nlohmann::json;
+  j["model"]["merges"] = json::array({json::array({"\xC4\xA0", "t"}), json::array({"h", "e"}), json::array({"\xC4\xA0t", "he"})});
+  const Tokenizer pairs = Tokenizer::from_json_text(j.dump(), "minimal with pairs");
+  EXPECT_EQ(pairs.encode("the the"), (Ids{'t', 257, 258}));
 }
 
 TEST(Tokenizer, LoaderRejectsUnsupportedConfigurations) {
@@ -553,6 +596,18 @@ TEST(Tokenizer, LoaderRejectsUnsupportedConfigurations) {
   j = base;
   j["model"]["dropout"] = 0.1;
   expect_error("dropout.json", j, "dropout");
+  j = base;
+  j["model"]["vocab"]["x"] = {{"nested", 1}};
+  expect_error("nestedvocab.json", j, "model.vocab['x']");
+  j = base;
+  j["model"]["vocab"]["x"] = -4;
+  expect_error("negativeid.json", j, "model.vocab['x']");
+  j = base;
+  j["model"]["merges"][0] = nlohmann::json::array({"\xC4\xA0", 5});
+  expect_error("pairmerge.json", j, "merges[0]");
+  j = base;
+  j["model"]["vocab"]["x"] = 5;  // id 5 is byte 0x05's symbol already
+  expect_error("dupid.json", j, "two tokens with id 5");
 }
 
 // ---- the test-tokenizer builder ------------------------------------------------------------------------

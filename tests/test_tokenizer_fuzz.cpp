@@ -9,6 +9,7 @@
 #include <fstream>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -175,4 +176,23 @@ TEST(TokenizerFuzz, RandomCodePoints) {
     check(s);
   });
   std::printf("[ info     ] %d random code point strings\n", n);
+}
+
+TEST(TokenizerFuzz, ConcurrentEncodersShareOneTokenizer) {
+  // One Tokenizer (and its piece cache) used from several threads at once.
+  DSX_REQUIRE_GOLDEN(g);
+  Fixture& fx = fixture();
+  std::vector<std::vector<int32_t>> expected;
+  for (const auto& s : fx.seeds) expected.push_back(fx.slow.encode(s));
+  fx.fast.clear_cache();
+  std::vector<int> bad(4, 0);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t)
+    threads.emplace_back([&, t] {
+      for (int round = 0; round < 20; ++round)
+        for (size_t k = (t * 37 + round) % fx.seeds.size(), n = 0; n < fx.seeds.size(); ++n, k = (k + 1) % fx.seeds.size())
+          if (fx.fast.encode(fx.seeds[k]) != expected[k]) ++bad[t];
+    });
+  for (auto& th : threads) th.join();
+  for (int t = 0; t < 4; ++t) EXPECT_EQ(bad[t], 0) << "thread " << t;
 }

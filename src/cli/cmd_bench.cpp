@@ -17,6 +17,9 @@
 #include "runtime/sampler.h"
 #include "util/error.h"
 #include "util/threadpool.h"
+#ifdef DSX_HAVE_CUDA
+#include "cuda/v41_cuda.h"
+#endif
 
 namespace dsx::cli {
 
@@ -45,7 +48,7 @@ std::vector<int64_t> parse_frontiers(const std::string& s) {
 int cmd_bench(int argc, char** argv) {
   Args a(argc, argv,
          {"-m", "--backend", "--precision", "--threads", "--frontiers", "--chunk", "--decode-tokens", "--csv", "--svg",
-          "--seed"},
+          "--seed", "--synthetic", "--layers"},
          {});
   EngineOptions o;
   o.backend = a.get_or("--backend", "cpu");
@@ -55,7 +58,31 @@ int cmd_bench(int argc, char** argv) {
   o.max_context = frontiers.back() + 64;
   const int64_t chunk = a.get_int("--chunk", 512);
   const int64_t ndec = a.get_int("--decode-tokens", 16);
-  auto eng = load_engine(a.require("-m"), o);
+  std::unique_ptr<Engine> eng;
+  const bool synthetic = a.has("--synthetic");
+  const int layers = static_cast<int>(a.get_int("--layers", 4));
+#ifdef DSX_HAVE_CUDA
+  if (synthetic) {
+    if (a.require("--synthetic") != "v41-flash") fail("--synthetic: only v41-flash is known");
+    o.backend = "cuda";
+    eng = make_synthetic_cuda_engine(synthetic_v41_flash_config(layers), o, static_cast<uint64_t>(a.get_int("--seed", 1)));
+  }
+#else
+  if (synthetic) fail("--synthetic needs the CUDA backend (this build has none)");
+#endif
+  if (!eng) eng = load_engine(a.require("-m"), o);
+  double copy_bw = 0, bytes40_per_layer_ratio = 0;
+  int64_t weight_bytes_step = 0;
+#ifdef DSX_HAVE_CUDA
+  if (o.backend == "cuda") {
+    auto st = cuda_engine_stats(*eng);
+    copy_bw = st.copy_bandwidth_gb_s;
+    weight_bytes_step = st.decode_weight_bytes;
+    std::printf("# device copy bandwidth %.1f GB/s; weights on device %.2f GB; weight bytes per decode step %.3f GB\n",
+                copy_bw, st.weight_bytes / 1e9, weight_bytes_step / 1e9);
+    bytes40_per_layer_ratio = 1;
+  }
+#endif
   const int64_t V = eng->config().vocab_size;
   std::mt19937 rng(static_cast<uint32_t>(a.get_int("--seed", 1)));
   std::uniform_int_distribution<int32_t> tok(3, static_cast<int32_t>(std::min<int64_t>(V, 128000) - 1));
@@ -89,9 +116,28 @@ int cmd_bench(int argc, char** argv) {
     double d1 = now_s();
     r.decode_tok_s = ndec / std::max(d1 - d0, 1e-9);
     s->restore(snap);
+#ifdef DSX_HAVE_CUDA
+    if (bytes40_per_layer_ratio > 0) {
+      const ModelConfig& cfg = eng->config();
+      r.bytes_per_token = static_cast<double>(weight_bytes_step + cuda_decode_state_bytes(cfg, f));
+      r.achieved_gb_s = r.bytes_per_token * r.decode_tok_s / 1e9;
+      r.roofline_fraction = copy_bw > 0 ? r.achieved_gb_s / copy_bw : 0;
+      if (synthetic) {
+        // the 40-layer release at the same achieved bandwidth
+        const ModelConfig full = synthetic_v41_flash_config(40);
+        const double full_bytes = static_cast<double>(v41_decode_weight_bytes(full) + cuda_decode_state_bytes(full, f));
+        r.projected_tok_s = r.achieved_gb_s * 1e9 / full_bytes;
+      }
+    }
+#endif
     rows.push_back(r);
-    std::printf("context %7lld  prefill %9.1f tok/s (%lld tokens)  decode %8.2f tok/s\n", (long long)f,
+    std::printf("context %7lld  prefill %9.1f tok/s (%lld tokens)  decode %8.2f tok/s", (long long)f,
                 r.prefill_tok_s, (long long)r.prefill_tokens, r.decode_tok_s);
+    if (r.bytes_per_token > 0)
+      std::printf("  | %.3f GB/token, %.0f GB/s, %.1f%% of copy bw%s", r.bytes_per_token / 1e9, r.achieved_gb_s,
+                  100 * r.roofline_fraction,
+                  r.projected_tok_s > 0 ? cat(", projected 40 layers ", r.projected_tok_s, " tok/s").c_str() : "");
+    std::printf("\n");
     std::fflush(stdout);
   }
   if (a.has("--csv")) write_bench_csv(a.require("--csv"), rows);

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "model/v41_cpu.h"
+#include "model/v4_cpu.h"
 #include "model/weights.h"
 #include "runtime/sampler.h"
 #include "util/error.h"
@@ -42,14 +43,20 @@ PathAgreement agree(const std::vector<float>& got, const float* want, int64_t T,
 std::string describe_divergence(const std::string& dir, const SafetensorsFile& g, int64_t row) {
   ModelConfig cfg = load_model_config(dir);
   auto files = std::make_shared<ModelFiles>(dir);
-  const TensorView& cm = g.get("engram_token_map");
-  V41Cpu m(cfg, bind_weights(cfg, files), std::vector<int32_t>(cm.as<int32_t>(), cm.as<int32_t>() + cm.numel()));
   const TensorView& ids = g.get("input_ids");
   const int64_t T = ids.numel();
-  KVState st = m.new_state();
   ForwardDebug dbg;
   std::vector<float> logits(static_cast<size_t>(T * cfg.vocab_size));
-  m.forward(st, ids.as<int32_t>(), T, logits.data(), true, &dbg);
+  if (cfg.family == Family::V4) {
+    V4Cpu m(cfg, bind_weights_v4(cfg, files));
+    KVState st = m.new_state();
+    m.forward(st, ids.as<int32_t>(), T, logits.data(), true, &dbg);
+  } else {
+    const TensorView& cm = g.get("engram_token_map");
+    V41Cpu m(cfg, bind_weights(cfg, files), std::vector<int32_t>(cm.as<int32_t>(), cm.as<int32_t>() + cm.numel()));
+    KVState st = m.new_state();
+    m.forward(st, ids.as<int32_t>(), T, logits.data(), true, &dbg);
+  }
   std::string note;
   for (int l = 0; l < cfg.n_layers && row < T; ++l) {
     const int k = cfg.n_experts_per_tok;
@@ -94,6 +101,15 @@ bool is_v41_golden_case(const std::string& dir) {
   if (!file_exists(dir + "/config.json") || !file_exists(dir + "/golden.safetensors")) return false;
   try {
     return load_model_config(dir).family == Family::V41;
+  } catch (const Error&) {
+    return false;
+  }
+}
+
+bool is_v4_golden_case(const std::string& dir) {
+  if (!file_exists(dir + "/config.json") || !file_exists(dir + "/golden.safetensors")) return false;
+  try {
+    return load_model_config(dir).family == Family::V4;
   } catch (const Error&) {
     return false;
   }
@@ -149,3 +165,28 @@ GoldenReport check_golden_case(const std::string& dir, Engine& eng, bool explain
 }
 
 }  // namespace dsx
+
+// ---------------------------------------------------------------------------
+// `dsx golden CASE_DIR [--backend cpu|cuda] [--precision fp32|bf16]`
+#include "cli/registry.h"
+#include "util/threadpool.h"
+
+namespace dsx::cli {
+namespace {
+int cmd_golden(int argc, char** argv) {
+  Args a(argc, argv, {"--backend", "--precision", "--threads"}, {"--explain"});
+  if (a.positional().size() != 1) fail("usage: dsx golden CASE_DIR [--backend cpu|cuda] [--precision fp32|bf16]");
+  const std::string dir = a.positional()[0];
+  if (!is_v41_golden_case(dir)) fail(dir, ": not a V4.1 golden case directory");
+  EngineOptions o;
+  o.backend = a.get_or("--backend", "cpu");
+  o.precision = a.get_or("--precision", "fp32");
+  if (a.has("--threads")) set_num_threads(static_cast<int>(a.get_int("--threads", 0)));
+  auto eng = load_engine(dir, o);
+  GoldenReport r = check_golden_case(dir, *eng, a.has("--explain") && o.backend == "cpu");
+  std::printf("%s [%s]\n", r.summary().c_str(), eng->describe().c_str());
+  return r.ok() ? 0 : 1;
+}
+}  // namespace
+DSX_COMMAND("golden", "check a golden case directory (leading-rows rule of the golden README)", cmd_golden);
+}  // namespace dsx::cli

@@ -33,6 +33,8 @@ struct GoldenReport {
 
 // Whether a golden case directory holds a V4.1 case (config model_type deepseek_v41).
 bool is_v41_golden_case(const std::string& dir);
+// Whether a golden case directory holds a V4 case (config model_type deepseek_v4).
+bool is_v4_golden_case(const std::string& dir);
 
 // Runs both paths and the greedy continuation of a golden case on `engine`.
 // With explain=true (CPU only) re-runs the prefill capturing decisions to

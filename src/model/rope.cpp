@@ -20,9 +20,10 @@ std::vector<float> base_freqs(double theta, int dim) {
 void RopeTable::angles(int64_t pos, float* c, float* s) const {
   const float p = static_cast<float>(pos);
   for (size_t i = 0; i < inv_freq.size(); ++i) {
+    // f32 angle, cos/sin evaluated in double and rounded once (the CUDA kernels do the same)
     const float a = p * inv_freq[i];
-    c[i] = std::cos(a);
-    s[i] = std::sin(a);
+    c[i] = static_cast<float>(std::cos(static_cast<double>(a)));
+    s[i] = static_cast<float>(std::sin(static_cast<double>(a)));
   }
 }
 

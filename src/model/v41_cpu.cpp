@@ -115,29 +115,7 @@ V41Cpu::V41Cpu(ModelConfig cfg, ModelWeights weights, std::vector<int32_t> engra
 }
 
 KVState V41Cpu::new_state(int rollback_depth) const {
-  KVState st;
-  st.rollback_depth = rollback_depth;
-  st.fingerprint = w_.files ? w_.files->fingerprint() : "";
-  st.windows.resize(static_cast<size_t>(cfg_.n_layers));
-  st.caches.resize(static_cast<size_t>(cfg_.n_layers));
-  for (int l = 0; l < cfg_.n_layers; ++l) {
-    auto& r = st.windows[static_cast<size_t>(l)];
-    r.cap = cfg_.window + rollback_depth;
-    r.dim = cfg_.head_dim;
-    r.rows.assign(static_cast<size_t>(r.cap) * r.dim, 0.0f);
-    if (cfg_.is_kv_source(l)) {
-      auto& c = st.caches[static_cast<size_t>(l)];
-      c.ratio = cfg_.ratio(l);
-      c.dim = cfg_.head_dim;
-      c.idx_dim = cfg_.index_head_dim;
-      if (c.ratio > 1) {
-        c.proj_cap = c.ratio + rollback_depth;
-        c.proj_kv.assign(static_cast<size_t>(c.proj_cap) * c.dim, 0.0f);
-        c.proj_gate.assign(static_cast<size_t>(c.proj_cap) * c.dim, 0.0f);
-      }
-    }
-  }
-  return st;
+  return make_kv_state(cfg_, rollback_depth, w_.files ? w_.files->fingerprint() : "");
 }
 
 // ---------------------------------------------------------------------------

@@ -1,8 +1,10 @@
-// The CPU reference engine: V41Cpu behind the Engine / Session interface.
+// The CPU reference engines: V41Cpu (and V4Cpu for V4 Flash directories) behind
+// the Engine / Session interface.
 #include <map>
 #include <mutex>
 
 #include "model/v41_cpu.h"
+#include "model/v4_cpu.h"
 #include "model/weights.h"
 #include "runtime/engine.h"
 #include "util/error.h"
@@ -44,6 +46,43 @@ class CpuEngine : public Engine {
   int rollback_;
 };
 
+// DeepSeek V4 Flash (src/model/v4_cpu.h); same interface. A restored snapshot is
+// checked against the model's state geometry before it replaces the state.
+class V4CpuSession : public Session {
+ public:
+  V4CpuSession(const V4Cpu& m, int rollback) : m_(m), st_(m.new_state(rollback)) {}
+  int64_t position() const override { return st_.pos; }
+  const std::vector<int32_t>& tokens() const override { return st_.tokens; }
+  void feed(const int32_t* ids, int64_t n, float* logits, bool all_rows) override {
+    m_.forward(st_, ids, n, logits, all_rows);
+  }
+  std::vector<uint8_t> save() const override { return st_.save(); }
+  void restore(const std::vector<uint8_t>& s) override {
+    KVState tmp = st_;
+    tmp.restore(s.data(), s.size());
+    m_.check_state(tmp);
+    st_ = std::move(tmp);
+  }
+  void rollback(int64_t p) override { st_.rollback(p); }
+  int64_t state_bytes() const override { return st_.bytes(); }
+
+ private:
+  const V4Cpu& m_;
+  KVState st_;
+};
+
+class V4CpuEngine : public Engine {
+ public:
+  V4CpuEngine(std::unique_ptr<V4Cpu> m, int rollback) : m_(std::move(m)), rollback_(rollback) {}
+  const ModelConfig& config() const override { return m_->config(); }
+  std::unique_ptr<Session> new_session() override { return std::make_unique<V4CpuSession>(*m_, rollback_); }
+  std::string describe() const override { return cat("cpu f32 (deepseek_v4), ", num_threads(), " threads"); }
+
+ private:
+  std::unique_ptr<V4Cpu> m_;
+  int rollback_;
+};
+
 std::map<std::string, EngineFactory>& factories() {
   static std::map<std::string, EngineFactory> f;
   return f;
@@ -69,6 +108,8 @@ std::unique_ptr<Engine> load_engine(const std::string& dir, const EngineOptions&
   if (opts.precision != "fp32") fail("the CPU engine computes in fp32 only (got --precision ", opts.precision, ")");
   ModelConfig cfg = load_model_config(dir);
   auto files = std::make_shared<ModelFiles>(dir);
+  if (cfg.family == Family::V4)
+    return std::make_unique<V4CpuEngine>(std::make_unique<V4Cpu>(cfg, bind_weights_v4(cfg, files)), opts.rollback_depth);
   ModelWeights w = bind_weights(cfg, files);
   std::vector<int32_t> cmap = load_engram_token_map(dir, cfg);
   return std::make_unique<CpuEngine>(std::make_unique<V41Cpu>(cfg, std::move(w), std::move(cmap)), opts.rollback_depth);

@@ -2,6 +2,7 @@
 
 #include <cstring>
 
+#include "model/config.h"
 #include "util/error.h"
 
 namespace dsx {
@@ -167,6 +168,32 @@ int64_t KVState::bytes() const {
   for (const auto& c : caches)
     b += static_cast<int64_t>(c.rows.size() + c.keys.size() + c.proj_kv.size() + c.proj_gate.size()) * 4;
   return b;
+}
+
+KVState make_kv_state(const ModelConfig& cfg, int rollback_depth, const std::string& fingerprint) {
+  KVState st;
+  st.rollback_depth = rollback_depth;
+  st.fingerprint = fingerprint;
+  st.windows.resize(static_cast<size_t>(cfg.n_layers));
+  st.caches.resize(static_cast<size_t>(cfg.n_layers));
+  for (int l = 0; l < cfg.n_layers; ++l) {
+    auto& r = st.windows[static_cast<size_t>(l)];
+    r.cap = cfg.window + rollback_depth;
+    r.dim = cfg.head_dim;
+    r.rows.assign(static_cast<size_t>(r.cap) * r.dim, 0.0f);
+    if (cfg.is_kv_source(l)) {
+      auto& c = st.caches[static_cast<size_t>(l)];
+      c.ratio = cfg.ratio(l);
+      c.dim = cfg.head_dim;
+      c.idx_dim = cfg.index_head_dim;
+      if (c.ratio > 1) {
+        c.proj_cap = c.ratio + rollback_depth;
+        c.proj_kv.assign(static_cast<size_t>(c.proj_cap) * c.dim, 0.0f);
+        c.proj_gate.assign(static_cast<size_t>(c.proj_cap) * c.dim, 0.0f);
+      }
+    }
+  }
+  return st;
 }
 
 }  // namespace dsx

@@ -47,4 +47,10 @@ struct KVState {
   int64_t bytes() const;
 };
 
+struct ModelConfig;
+// An empty state (position 0) with the geometry of a V4.1 model: window rings of
+// window + rollback_depth rows per layer; compressed caches on KV sources, with
+// projection rings of ratio + rollback_depth tokens for ratio > 1.
+KVState make_kv_state(const ModelConfig& cfg, int rollback_depth, const std::string& fingerprint);
+
 }  // namespace dsx

@@ -144,48 +144,49 @@ void bpe_merge_scan(const MergeTable& merges, std::vector<int32_t>& syms) {
 void bpe_merge_heap(const MergeTable& merges, std::vector<int32_t>& syms) {
   const size_t n = syms.size();
   if (n < 2) return;
+  // A candidate merge: the pair (left, right) starting at `pos` when it was pushed.
+  struct Item {
+    int32_t rank, pos, left, right, merged;
+    // Min-heap order: lowest rank first, leftmost on ties.
+    bool operator>(const Item& o) const { return rank != o.rank ? rank > o.rank : pos > o.pos; }
+  };
   // Per-thread work space: pieces come one after the other and can be long.
   struct Work {
     std::vector<int32_t> prev, next;
-    std::vector<uint8_t> dead;
-    std::vector<std::pair<int32_t, int32_t>> heap;
+    std::vector<Item> heap;
   };
   thread_local Work w;
   auto& prev = w.prev;
   auto& next = w.next;
-  auto& dead = w.dead;
   auto& heap = w.heap;
   prev.resize(n);
   next.resize(n);
-  dead.assign(n, 0);
   heap.clear();
   for (size_t i = 0; i < n; ++i) {
     prev[i] = static_cast<int32_t>(i) - 1;
     next[i] = i + 1 < n ? static_cast<int32_t>(i + 1) : -1;
   }
-  // Min-heap on (rank, position): lowest rank first, leftmost on ties.
-  using Item = std::pair<int32_t, int32_t>;
+  constexpr int32_t kDead = -2;  // prev[] of a symbol merged into its left neighbour
   auto push = [&](int32_t pos) {
     const int32_t nx = next[pos];
     if (nx < 0) return;
     if (const MergeTable::Entry* e = merges.find(syms[pos], syms[nx])) {
-      heap.emplace_back(e->rank, pos);
+      heap.push_back(Item{e->rank, pos, syms[pos], syms[nx], e->merged});
       std::push_heap(heap.begin(), heap.end(), std::greater<Item>());
     }
   };
   for (size_t i = 0; i + 1 < n; ++i) push(static_cast<int32_t>(i));
   while (!heap.empty()) {
     std::pop_heap(heap.begin(), heap.end(), std::greater<Item>());
-    const auto [rank, pos] = heap.back();
+    const Item it = heap.back();
     heap.pop_back();
-    if (dead[pos]) continue;
+    const int32_t pos = it.pos;
+    if (prev[pos] == kDead) continue;
     const int32_t nx = next[pos];
-    if (nx < 0) continue;
     // Stale entry: the pair at `pos` has changed since it was pushed.
-    const MergeTable::Entry* e = merges.find(syms[pos], syms[nx]);
-    if (!e || e->rank != rank) continue;
-    syms[pos] = e->merged;
-    dead[nx] = 1;
+    if (nx < 0 || syms[pos] != it.left || syms[nx] != it.right) continue;
+    syms[pos] = it.merged;
+    prev[nx] = kDead;
     next[pos] = next[nx];
     if (next[nx] >= 0) prev[next[nx]] = pos;
     if (prev[pos] >= 0) push(prev[pos]);

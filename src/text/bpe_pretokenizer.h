@@ -1,7 +1,13 @@
 // Pre-tokenizer of a HF byte-level BPE tokenizer.json (chat-and-serving.md §1.3 step 3):
 // a sequence of regex Split steps (behaviour Isolated or Removed) followed by ByteLevel.
 // The patterns are Oniguruma patterns (the engine HF uses); they are translated to
-// PCRE2 (UTF + UCP, JIT) so that the Perl classes keep Oniguruma's meaning.
+// PCRE2 (UTF + UCP, JIT) so that the Perl classes keep Oniguruma's meaning, and the
+// general categories \p{L} \p{M} \p{N} \p{Nd} \p{P} \p{S} get the code points that
+// Unicode 16.0 (HF's Oniguruma) added over PCRE2 10.42's Unicode 14.0 (unicode_tables.h).
+//
+// For DeepSeek V3's three patterns, ASCII fast paths decide what they can from ASCII
+// characters alone and hand every position that needs a non-ASCII character to PCRE2;
+// the tests check them against the PCRE2-only path.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -17,7 +23,8 @@ namespace dsx::text {
 // Oniguruma -> PCRE2 translation of the escapes whose meaning differs:
 // \s \S (Oniguruma: 9-13, 0x85, Zs, Zl, Zp; PCRE2's UCP \s also has U+180E),
 // \d \D \w \W (Unicode in Oniguruma), \h \H (hex digit in Oniguruma, horizontal
-// space in PCRE2). Nested classes and class intersection ("&&") are rejected.
+// space in PCRE2), \p{..} \P{..} (Unicode 16.0 additions). Nested classes and class
+// intersection ("&&") are rejected.
 std::string onig_to_pcre2(std::string_view pattern, const std::string& where);
 
 // A compiled PCRE2 pattern (UTF, UCP, JIT). Subjects must be valid UTF-8.

@@ -933,11 +933,6 @@ void check_utf8(std::string_view s, const std::string& where) {
   if (!valid_utf8(s)) fail(where, ": invalid UTF-8");
 }
 
-// Working copy of a message during preprocessing.
-struct Msg {
-  Message m;
-};
-
 }  // namespace
 
 DsmlNames dsml_names(Profile p) {
@@ -962,7 +957,9 @@ std::vector<Segment> render_tools_block(const std::vector<ToolSpec>& tools, Prof
               "after </think> with tool calls or final response.\n\n### Available Tool Schemas\n\n");
   for (size_t i = 0; i < tools.size(); ++i) {
     if (i) out.trusted("\n");
-    out.client(pyjson::dumps(tools[i].function));
+    const std::string schema = pyjson::dumps(tools[i].function);
+    check_utf8(schema, "tools[" + std::to_string(i) + "]");
+    out.client(schema);
   }
   out.trusted("\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke tool "
               "calls.\n");
@@ -1027,7 +1024,7 @@ RenderedPrompt render_prompt(const Conversation& conv, const RenderOptions& opts
   if (conv.messages.empty()) fail("messages: must not be empty");
 
   // ---- validation and working copy -------------------------------------------------------------------
-  std::vector<Msg> msgs;
+  std::vector<Message> msgs;
   msgs.reserve(conv.messages.size() + 1);
   for (size_t i = 0; i < conv.messages.size(); ++i) {
     const Message& m = conv.messages[i];
@@ -1053,79 +1050,77 @@ RenderedPrompt render_prompt(const Conversation& conv, const RenderOptions& opts
       for (const auto& b : m.blocks) bad = bad || has_img(b.text);
       if (bad) fail(where, ": text contains the image placeholder <｜deepseek_image｜>");
     }
-    for (const auto& t : m.tools) check_utf8(pyjson::dumps(t.function), where + ".tools[" + t.name + "]");
-    Msg w{m};
-    if (!opts.tools_enabled || (w.m.role != Role::System && w.m.role != Role::Developer)) w.m.tools.clear();
-    if (v41 && w.m.role == Role::Developer) w.m.role = Role::System;  // V4.1 has no developer role [P]
-    if (w.m.role != Role::Assistant) {
-      w.m.reasoning_content.reset();
-      w.m.tool_calls.clear();
+    Message w = m;
+    if (!opts.tools_enabled || (w.role != Role::System && w.role != Role::Developer)) w.tools.clear();
+    if (v41 && w.role == Role::Developer) w.role = Role::System;  // V4.1 has no developer role [P]
+    if (w.role != Role::Assistant) {
+      w.reasoning_content.reset();
+      w.tool_calls.clear();
     }
     msgs.push_back(std::move(w));
   }
-  for (const auto& t : conv.tools) check_utf8(pyjson::dumps(t.function), "tools[" + t.name + "]");
 
   // [P] merge consecutive leading system messages ("\n\n").
   if (opts.merge_leading_system) {
     size_t k = 1;
-    while (k < msgs.size() && msgs[0].m.role == Role::System && msgs[k].m.role == Role::System &&
-           !msgs[k].m.response_format && !msgs[0].m.response_format)
+    while (k < msgs.size() && msgs[0].role == Role::System && msgs[k].role == Role::System &&
+           !msgs[k].response_format && !msgs[0].response_format)
       ++k;
     if (k > 1) {
-      for (size_t j = 1; j < k; ++j) msgs[0].m.content += "\n\n" + msgs[j].m.content;
+      for (size_t j = 1; j < k; ++j) msgs[0].content += "\n\n" + msgs[j].content;
       msgs.erase(msgs.begin() + 1, msgs.begin() + static_cast<std::ptrdiff_t>(k));
     }
   }
   // [P] merge consecutive assistant messages.
   if (opts.merge_consecutive_assistants) {
-    std::vector<Msg> merged;
+    std::vector<Message> merged;
     for (auto& w : msgs) {
-      if (!merged.empty() && merged.back().m.role == Role::Assistant && w.m.role == Role::Assistant &&
-          !merged.back().m.wo_eos) {
-        Message& a = merged.back().m;
-        a.content += w.m.content;
-        for (auto& tc : w.m.tool_calls) a.tool_calls.push_back(std::move(tc));
-        if ((!a.reasoning_content || a.reasoning_content->empty()) && w.m.reasoning_content)
-          a.reasoning_content = w.m.reasoning_content;
-        a.wo_eos = w.m.wo_eos;
+      if (!merged.empty() && merged.back().role == Role::Assistant && w.role == Role::Assistant &&
+          !merged.back().wo_eos) {
+        Message& a = merged.back();
+        a.content += w.content;
+        for (auto& tc : w.tool_calls) a.tool_calls.push_back(std::move(tc));
+        if ((!a.reasoning_content || a.reasoning_content->empty()) && w.reasoning_content)
+          a.reasoning_content = w.reasoning_content;
+        a.wo_eos = w.wo_eos;
         continue;
       }
       merged.push_back(std::move(w));
     }
     msgs = std::move(merged);
   }
-  if (opts.continue_final_message && msgs.back().m.role == Role::Assistant) msgs.back().m.wo_eos = true;
+  if (opts.continue_final_message && msgs.back().role == Role::Assistant) msgs.back().wo_eos = true;
 
   // ---- Step A: attach tools --------------------------------------------------------------------------
   if (!conv.tools.empty() && opts.tools_enabled) {
-    if (msgs[0].m.role == Role::System || msgs[0].m.role == Role::Developer) {
-      msgs[0].m.tools.insert(msgs[0].m.tools.begin(), conv.tools.begin(), conv.tools.end());
+    if (msgs[0].role == Role::System || msgs[0].role == Role::Developer) {
+      msgs[0].tools.insert(msgs[0].tools.begin(), conv.tools.begin(), conv.tools.end());
     } else {
-      Msg sys;
-      sys.m.role = Role::System;
-      sys.m.tools = conv.tools;
+      Message sys;
+      sys.role = Role::System;
+      sys.tools = conv.tools;
       msgs.insert(msgs.begin(), std::move(sys));
     }
   }
 
   // ---- Step B: merge tool results and user turns -----------------------------------------------------
   {
-    std::vector<Msg> built;
+    std::vector<Message> built;
     for (auto& w : msgs) {
-      Message& m = w.m;
+      Message& m = w;
       const bool last_user_blocks =
-          !built.empty() && built.back().m.role == Role::User && !built.back().m.blocks.empty();
+          !built.empty() && built.back().role == Role::User && !built.back().blocks.empty();
       if (m.role == Role::Tool) {
         ContentBlock b;
         b.kind = ContentBlock::Kind::ToolResult;
         b.tool_use_id = m.tool_call_id;
         b.text = std::move(m.content);
         if (last_user_blocks) {
-          built.back().m.blocks.push_back(std::move(b));
+          built.back().blocks.push_back(std::move(b));
         } else {
-          Msg u;
-          u.m.role = Role::User;
-          u.m.blocks.push_back(std::move(b));
+          Message u;
+          u.role = Role::User;
+          u.blocks.push_back(std::move(b));
           built.push_back(std::move(u));
         }
       } else if (m.role == Role::User) {
@@ -1135,14 +1130,14 @@ RenderedPrompt render_prompt(const Conversation& conv, const RenderOptions& opts
           b.text = std::move(m.content);
           blocks.push_back(std::move(b));
         }
-        if (last_user_blocks && !built.back().m.task) {
-          for (auto& b : blocks) built.back().m.blocks.push_back(std::move(b));
+        if (last_user_blocks && !built.back().task) {
+          for (auto& b : blocks) built.back().blocks.push_back(std::move(b));
         } else {
-          Msg u;
-          u.m.role = Role::User;
-          u.m.blocks = std::move(blocks);
-          u.m.task = m.task;
-          u.m.wo_eos = m.wo_eos;
+          Message u;
+          u.role = Role::User;
+          u.blocks = std::move(blocks);
+          u.task = m.task;
+          u.wo_eos = m.wo_eos;
           built.push_back(std::move(u));
         }
       } else {
@@ -1156,13 +1151,13 @@ RenderedPrompt render_prompt(const Conversation& conv, const RenderOptions& opts
   {
     std::unordered_map<std::string, size_t> order;
     for (auto& w : msgs) {
-      if (w.m.role == Role::Assistant && !w.m.tool_calls.empty()) {
+      if (w.role == Role::Assistant && !w.tool_calls.empty()) {
         order.clear();
-        for (size_t k = 0; k < w.m.tool_calls.size(); ++k)
-          if (!w.m.tool_calls[k].id.empty()) order[w.m.tool_calls[k].id] = k;
-      } else if (w.m.role == Role::User && !order.empty()) {
+        for (size_t k = 0; k < w.tool_calls.size(); ++k)
+          if (!w.tool_calls[k].id.empty()) order[w.tool_calls[k].id] = k;
+      } else if (w.role == Role::User && !order.empty()) {
         std::vector<ContentBlock> results;
-        for (auto& b : w.m.blocks)
+        for (auto& b : w.blocks)
           if (b.kind == ContentBlock::Kind::ToolResult) results.push_back(b);
         if (results.size() > 1) {
           auto pos = [&](const ContentBlock& b) {
@@ -1172,7 +1167,7 @@ RenderedPrompt render_prompt(const Conversation& conv, const RenderOptions& opts
           std::stable_sort(results.begin(), results.end(),
                            [&](const ContentBlock& a, const ContentBlock& b) { return pos(a) < pos(b); });
           size_t r = 0;
-          for (auto& b : w.m.blocks)
+          for (auto& b : w.blocks)
             if (b.kind == ContentBlock::Kind::ToolResult) b = std::move(results[r++]);
         }
       }
@@ -1180,30 +1175,30 @@ RenderedPrompt render_prompt(const Conversation& conv, const RenderOptions& opts
   }
 
   // ---- Steps D/E: drop decision and drop pass --------------------------------------------------------
-  auto is_user_like = [&](const std::vector<Msg>& v, size_t i) {
-    const Role r = v[i].m.role;
+  auto is_user_like = [&](const std::vector<Message>& v, size_t i) {
+    const Role r = v[i].role;
     if (v41) return r == Role::User || (r == Role::System && i > 0);
     return r == Role::User || r == Role::Developer;
   };
-  auto find_last_user = [&](const std::vector<Msg>& v) -> long {
+  auto find_last_user = [&](const std::vector<Message>& v) -> long {
     for (size_t i = v.size(); i-- > 0;)
       if (is_user_like(v, i)) return static_cast<long>(i);
     return -1;
   };
   bool any_tools = false;
-  for (const auto& w : msgs) any_tools = any_tools || !w.m.tools.empty();
+  for (const auto& w : msgs) any_tools = any_tools || !w.tools.empty();
   const bool drop = opts.drop_thinking && !any_tools;
   if (T && drop) {
     const long lu = find_last_user(msgs);
-    std::vector<Msg> kept;
+    std::vector<Message> kept;
     for (size_t i = 0; i < msgs.size(); ++i) {
-      const Role r = msgs[i].m.role;
+      const Role r = msgs[i].role;
       const bool keep_role =
           r == Role::User || r == Role::System || r == Role::Tool || r == Role::LatestReminder;
       if (keep_role || static_cast<long>(i) >= lu) {
         kept.push_back(std::move(msgs[i]));
       } else if (r == Role::Assistant) {
-        msgs[i].m.reasoning_content.reset();
+        msgs[i].reasoning_content.reset();
         kept.push_back(std::move(msgs[i]));
       }  // other roles (developer) before the last user turn are removed (official encoder quirk)
     }
@@ -1255,7 +1250,7 @@ RenderedPrompt render_prompt(const Conversation& conv, const RenderOptions& opts
   out.trusted(tok::kBos);
   const std::string tr_open = "<tool_result>", tr_close = "</tool_result>";
   for (size_t i = 0; i < msgs.size(); ++i) {
-    const Message& m = msgs[i].m;
+    const Message& m = msgs[i];
     const Role role = m.role;
     if (i == 0 && T) {
       if (v41 && (system_marker_for_effort || role == Role::System)) out.trusted(tok::kSystem);
@@ -1270,7 +1265,9 @@ RenderedPrompt render_prompt(const Conversation& conv, const RenderOptions& opts
       }
       if (m.response_format) {
         out.trusted("\n\n## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n");
-        out.client(pyjson::dumps(*m.response_format));
+        const std::string schema = pyjson::dumps(*m.response_format);
+        check_utf8(schema, "messages[" + std::to_string(i) + "].response_format");
+        out.client(schema);
       }
     };
     switch (role) {
@@ -1306,7 +1303,7 @@ RenderedPrompt render_prompt(const Conversation& conv, const RenderOptions& opts
         break;
       case Role::Tool: fail("internal: tool message survived the merge step");
       case Role::Assistant: {
-        const bool prev_has_task = i > 0 && msgs[i - 1].m.task.has_value();
+        const bool prev_has_task = i > 0 && msgs[i - 1].task.has_value();
         if (T && !prev_has_task && (!drop || static_cast<long>(i) > last_user)) {
           out.client(m.reasoning_content.value_or(""));
           out.trusted(tok::kThinkEnd);
@@ -1328,8 +1325,8 @@ RenderedPrompt render_prompt(const Conversation& conv, const RenderOptions& opts
       }
     }
     // transition
-    if (i + 1 < msgs.size() && msgs[i + 1].m.role != Role::Assistant &&
-        msgs[i + 1].m.role != Role::LatestReminder)
+    if (i + 1 < msgs.size() && msgs[i + 1].role != Role::Assistant &&
+        msgs[i + 1].role != Role::LatestReminder)
       continue;
     if (m.task) {
       if (*m.task != "action") {

@@ -292,6 +292,7 @@ struct DsmlParser::Impl {
   std::string utf8_tail;
   bool warned_utf8 = false;
   std::string buf;  // unprocessed valid UTF-8
+  size_t ws_prefix = 0;  // Content: leading bytes of buf known to be held whitespace (no '<' among them)
 
   // stop strings
   std::string stop_hold;
@@ -499,6 +500,7 @@ struct DsmlParser::Impl {
       // Nothing of the block was streamed: it is ordinary content; stop interpreting DSML in this completion.
       dsml_enabled = false;
       st = St::Content;
+      ws_prefix = 0;
       content(block_raw);
     }
     block_raw.clear();
@@ -533,6 +535,7 @@ struct DsmlParser::Impl {
       res.reasoning_closed = true;
       emit(EventType::ReasoningEnd, "");
       st = St::Content;
+      ws_prefix = 0;
       return true;
     }
     const size_t keep = final ? 0 : partial_suffix(buf, kThinkClose);
@@ -554,7 +557,7 @@ struct DsmlParser::Impl {
       if (!buf.empty()) at_output_start = false;
     }
     size_t hold = buf.size();
-    for (size_t p = buf.find('<'); p != std::string::npos; p = buf.find('<', p + 1)) {
+    for (size_t p = buf.find('<', ws_prefix); p != std::string::npos; p = buf.find('<', p + 1)) {
       const std::string_view rest = std::string_view(buf).substr(p);
       if (starts_with(rest, kEosText)) {
         content(std::string_view(buf).substr(0, p));
@@ -592,12 +595,17 @@ struct DsmlParser::Impl {
         break;
       }
     }
-    if (final) hold = buf.size();
-    else if (dsml_enabled)
-      while (hold > 0 && is_ws(buf[hold - 1])) --hold;  // a whitespace run may belong to a block
+    const size_t candidate = hold;
+    if (final) {
+      hold = buf.size();
+    } else if (dsml_enabled) {  // a trailing whitespace run may belong to a block: hold it
+      while (hold > ws_prefix && is_ws(buf[hold - 1])) --hold;
+      if (hold == ws_prefix) hold = 0;  // buf[0, ws_prefix) is whitespace already
+    }
     content(std::string_view(buf).substr(0, hold));
     if (st == St::Stopped) return false;
     buf.erase(0, hold);
+    ws_prefix = final ? 0 : candidate - hold;  // what is left before the candidate is whitespace
     return false;
   }
 

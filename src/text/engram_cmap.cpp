@@ -9,6 +9,7 @@
 #include <utf8proc.h>
 
 #include "text/unicode.h"
+#include "text/unicode_tables.h"
 #include "util/error.h"
 #include "util/safetensors.h"
 
@@ -45,46 +46,77 @@ std::u32string to_u32(std::string_view s) {
   return r;
 }
 
-bool is_mark(char32_t c) {
+// StripAccents of HF: General_Category M as of Unicode 9.0.
+bool is_mark9(char32_t c) {
+  if (hf_unicode::assigned_after_9(c)) return false;
+  if (const int o = hf_unicode::mark9_override(c); o >= 0) return o == 1;
   const utf8proc_category_t cat = utf8proc_category(static_cast<utf8proc_int32_t>(c));
   return cat == UTF8PROC_CATEGORY_MN || cat == UTF8PROC_CATEGORY_MC || cat == UTF8PROC_CATEGORY_ME;
+}
+
+// Lowercase of HF: Rust char::to_lowercase (Unicode 17.0), appended to `out`.
+void append_lowercase(std::u32string& out, char32_t c) {
+  if (c == 0x130) {  // the only unconditional special case: i + COMBINING DOT ABOVE
+    out.push_back(U'i');
+    out.push_back(0x307);
+  } else if (const char32_t x = hf_unicode::lowercase17_extra(c)) {
+    out.push_back(x);
+  } else {
+    out.push_back(static_cast<char32_t>(utf8proc_tolower(static_cast<utf8proc_int32_t>(c))));
+  }
+}
+
+// NFKC then NFD as HF computes them, with Unicode 9.0 data: a character assigned after
+// 9.0 has no decomposition and combining class 0 there, so it is kept as it is and
+// splits the text into runs that normalise independently; the runs only hold 9.0
+// characters, whose mappings utf8proc's newer tables keep unchanged (normalization
+// stability).
+std::u32string nfkc_then_nfd_9(std::string_view text) {
+  std::u32string out;
+  size_t run = 0;
+  auto flush = [&](size_t end) {
+    if (end <= run) return;
+    const std::string nfkc =
+        utf8proc_apply(text.substr(run, end - run), UTF8PROC_STABLE | UTF8PROC_COMPOSE | UTF8PROC_COMPAT);
+    out += to_u32(utf8proc_apply(nfkc, UTF8PROC_STABLE | UTF8PROC_DECOMPOSE));
+  };
+  for (size_t i = 0; i < text.size();) {
+    const utf8::Decoded d = utf8::decode(text, i);
+    if (d.status != utf8::Decoded::kValid) fail("engram normalisation: invalid UTF-8");
+    if (d.cp >= 0x80 && hf_unicode::assigned_after_9(d.cp)) {
+      flush(i);
+      out.push_back(d.cp);
+      run = i + d.len;
+    }
+    i += d.len;
+  }
+  flush(text.size());
+  return out;
 }
 
 }  // namespace
 
 std::string engram_normalize(std::string_view text) {
-  // NFKC, then NFD.
-  const std::string nfkc = utf8proc_apply(text, UTF8PROC_STABLE | UTF8PROC_COMPOSE | UTF8PROC_COMPAT);
-  const std::string nfd = utf8proc_apply(nfkc, UTF8PROC_STABLE | UTF8PROC_DECOMPOSE);
-  // Strip accents, lowercase (full mapping per character; U+0130 is the only
-  // unconditional lowercase special case), collapse [ \t\r\n]+.
+  // Strip accents, lowercase, collapse [ \t\r\n]+ runs. A removed mark does not end a
+  // blank run: the reference strips accents before it replaces the runs.
   std::u32string s;
   bool in_blank_run = false;
-  for (char32_t c : to_u32(nfd)) {
-    if (is_mark(c)) continue;
-    const bool blank = c == ' ' || c == '\t' || c == '\r' || c == '\n';
-    if (blank) {
+  for (char32_t c : nfkc_then_nfd_9(text)) {
+    if (is_mark9(c)) continue;
+    if (c == ' ' || c == '\t' || c == '\r' || c == '\n') {
       if (!in_blank_run) s.push_back(' ');
       in_blank_run = true;
       continue;
     }
     in_blank_run = false;
-    if (c == 0x130) {
-      s.push_back(U'i');
-      s.push_back(0x307);
-    } else {
-      s.push_back(static_cast<char32_t>(utf8proc_tolower(static_cast<utf8proc_int32_t>(c))));
-    }
+    append_lowercase(s, c);
   }
-  // (A removed mark does not end a blank run: the reference strips accents before
-  // it replaces the runs.)
-  std::u32string& merged = s;
-  if (merged == U" ") merged = std::u32string(1, kSentinel);
-  size_t b = 0, e = merged.size();
-  while (b < e && utf8::is_white_space(merged[b])) ++b;
-  while (e > b && utf8::is_white_space(merged[e - 1])) --e;
+  if (s == U" ") s = std::u32string(1, kSentinel);
+  size_t b = 0, e = s.size();
+  while (b < e && utf8::is_white_space(s[b])) ++b;
+  while (e > b && utf8::is_white_space(s[e - 1])) --e;
   std::string out;
-  for (size_t i = b; i < e; ++i) utf8::append(out, merged[i] == kSentinel ? U' ' : merged[i]);
+  for (size_t i = b; i < e; ++i) utf8::append(out, s[i] == kSentinel ? U' ' : s[i]);
   return out;
 }
 
@@ -136,49 +168,5 @@ std::string sha256_file_hex(const std::string& path) {
   return r;
 }
 
-std::vector<int32_t> load_or_build_engram_token_map(const std::string& model_dir, const Tokenizer& tok,
-                                                    int32_t* n_keys) {
-  namespace fs = std::filesystem;
-  const std::string tok_path = (fs::path(model_dir) / "tokenizer.json").string();
-  const std::string cache_path = (fs::path(model_dir) / "engram_cmap.safetensors").string();
-  std::string sha;
-  std::error_code ec;
-  if (fs::is_regular_file(tok_path, ec)) sha = sha256_file_hex(tok_path);
-
-  if (!sha.empty() && fs::is_regular_file(cache_path, ec)) {
-    try {
-      SafetensorsFile f(cache_path);
-      const auto it = f.metadata().find("tokenizer_sha256");
-      const TensorView& c = f.get("cmap");
-      const TensorView& k = f.get("n_keys");
-      if (it != f.metadata().end() && it->second == sha && c.dtype == DType::I32 && c.shape.size() == 1 &&
-          static_cast<size_t>(c.shape[0]) == tok.size() && k.dtype == DType::I32 && k.numel() == 1) {
-        std::vector<int32_t> cmap(c.as<int32_t>(), c.as<int32_t>() + tok.size());
-        if (n_keys) *n_keys = k.as<int32_t>()[0];
-        return cmap;
-      }
-    } catch (const Error&) {
-      // unreadable or foreign file: rebuild below
-    }
-  }
-
-  int32_t nk = 0;
-  std::vector<int32_t> cmap = build_engram_token_map(tok, &nk);
-  if (n_keys) *n_keys = nk;
-  if (!sha.empty()) {
-    try {
-      SafetensorsWriter w;
-      w.add("cmap", DType::I32, {static_cast<int64_t>(cmap.size())}, cmap);
-      w.add("n_keys", DType::I32, {1}, std::vector<int32_t>{nk});
-      w.set_metadata("tokenizer_sha256", sha);
-      w.set_metadata("n_keys", std::to_string(nk));
-      w.set_metadata("len_tokenizer", std::to_string(tok.size()));
-      w.write(cache_path);
-    } catch (const Error&) {
-      // read-only model directory: the computed map is still returned
-    }
-  }
-  return cmap;
-}
 
 }  // namespace dsx::text

@@ -30,11 +30,8 @@ std::string engram_key(const Tokenizer& tok, int32_t id);
 // cmap over ids 0 .. tok.size()-1; *n_keys = number of distinct keys.
 std::vector<int32_t> build_engram_token_map(const Tokenizer& tok, int32_t* n_keys);
 
-// Cached variant: reads model_dir/engram_cmap.safetensors when its metadata carries the
-// SHA-256 of model_dir/tokenizer.json and the right length; otherwise builds the map
-// and tries to store it there (an unwritable directory is not an error).
-std::vector<int32_t> load_or_build_engram_token_map(const std::string& model_dir, const Tokenizer& tok,
-                                                    int32_t* n_keys);
+// (Building the map takes ~0.2 s for the release tokenizer, so it is not cached:
+// model directories are never written to.)
 
 // Lower-case hex SHA-256 of a file's bytes (throws dsx::Error naming the file).
 std::string sha256_file_hex(const std::string& path);

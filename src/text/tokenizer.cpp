@@ -94,6 +94,230 @@ class AddedMatcher {
   bool first_[256] = {};
 };
 
+// string -> id over the strings of `vocab_r` (open addressing; the keys are not copied).
+class VocabIndex {
+ public:
+  explicit VocabIndex(const std::vector<std::string>* strings) : strings_(strings) {}
+  void reserve(size_t n) {
+    size_t cap = 16;
+    while (cap < n * 2) cap <<= 1;
+    slots_.assign(cap, Slot{});
+    mask_ = cap - 1;
+  }
+  // Indexes (*strings_)[id]; false when that string is already present.
+  bool insert(int32_t id) {
+    const std::string& key = (*strings_)[id];
+    const uint64_t h = PieceCache::hash(key);
+    for (size_t i = h & mask_;; i = (i + 1) & mask_) {
+      Slot& s = slots_[i];
+      if (s.id < 0) {
+        s = Slot{h, id};
+        return true;
+      }
+      if (s.hash == h && (*strings_)[s.id] == key) return false;
+    }
+  }
+  int32_t find(std::string_view key) const {
+    if (slots_.empty()) return -1;
+    const uint64_t h = PieceCache::hash(key);
+    for (size_t i = h & mask_;; i = (i + 1) & mask_) {
+      const Slot& s = slots_[i];
+      if (s.id < 0) return -1;
+      if (s.hash == h && (*strings_)[s.id] == key) return s.id;
+    }
+  }
+ private:
+  struct Slot {
+    uint64_t hash = 0;
+    int32_t id = -1;
+  };
+  const std::vector<std::string>* strings_;
+  std::vector<Slot> slots_;
+  size_t mask_ = 0;
+};
+
+// tokenizer.json parsed with a SAX handler: model.vocab and model.merges (the bulk of
+// the file) go straight into vectors, everything else into a small DOM.
+struct ParsedJson {
+  json rest;
+  bool has_vocab = false, has_merges = false;
+  std::vector<std::pair<std::string, int64_t>> vocab;  // id -1: not an integer in range
+  struct Merge {
+    std::string a, b;
+    bool ok;  // a string "a b" with one space or a pair of strings
+  };
+  std::vector<Merge> merges;
+};
+
+class TokenizerSax {
+ public:
+  TokenizerSax(ParsedJson& out, const std::string& source) : out_(out), source_(source) {}
+  const std::string& error() const { return error_; }
+
+  bool null() { return value(json()); }
+  bool boolean(bool v) { return value(json(v)); }
+  bool number_integer(json::number_integer_t v) { return value(json(v)); }
+  bool number_unsigned(json::number_unsigned_t v) { return value(json(v)); }
+  bool number_float(json::number_float_t v, const json::string_t&) { return value(json(v)); }
+  bool string(json::string_t& v) {
+    if (mode_ == kMerges) {
+      out_.merges.push_back(split_merge(v));
+      return true;
+    }
+    if (mode_ == kMergePair) {
+      pair_.push_back(std::move(v));
+      return true;
+    }
+    return value(json(std::move(v)));
+  }
+  bool binary(json::binary_t&) { return false; }
+  bool key(json::string_t& k) {
+    if (mode_ == kVocab)
+      vocab_key_ = std::move(k);
+    else
+      keys_.back() = std::move(k);
+    return true;
+  }
+  bool start_object(std::size_t) {
+    if (mode_ == kNormal && in_model() && keys_.back() == "vocab") {
+      mode_ = kVocab;
+      out_.has_vocab = true;
+      ++depth_;
+      return true;
+    }
+    if (mode_ != kNormal) return bad_bulk();
+    open(json::object());
+    keys_.emplace_back();
+    return true;
+  }
+  bool end_object() {
+    if (mode_ == kVocab) {
+      mode_ = kNormal;
+      --depth_;
+      return true;
+    }
+    keys_.pop_back();
+    stack_.pop_back();
+    --depth_;
+    return true;
+  }
+  bool start_array(std::size_t) {
+    if (mode_ == kNormal && in_model() && keys_.back() == "merges") {
+      mode_ = kMerges;
+      out_.has_merges = true;
+      ++depth_;
+      return true;
+    }
+    if (mode_ == kMerges) {
+      mode_ = kMergePair;
+      pair_.clear();
+      pair_bad_ = false;
+      return true;
+    }
+    if (mode_ != kNormal) return bad_bulk();
+    open(json::array());
+    keys_.emplace_back();
+    return true;
+  }
+  bool end_array() {
+    if (mode_ == kMergePair) {
+      const bool ok = pair_.size() == 2 && !pair_bad_;
+      out_.merges.push_back({ok ? pair_[0] : std::string(), ok ? pair_[1] : std::string(), ok});
+      mode_ = kMerges;
+      return true;
+    }
+    if (mode_ == kMerges) {
+      mode_ = kNormal;
+      --depth_;
+      return true;
+    }
+    keys_.pop_back();
+    stack_.pop_back();
+    --depth_;
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) {
+    error_ = e.what();
+    return false;
+  }
+
+ private:
+  enum Mode { kNormal, kVocab, kMerges, kMergePair };
+
+  // Directly inside the top-level "model" object?
+  bool in_model() const { return depth_ == 2 && keys_.size() == 2 && keys_[0] == "model" && stack_.back()->is_object(); }
+
+  static ParsedJson::Merge split_merge(const std::string& s) {
+    const size_t sp = s.find(' ');
+    if (sp == std::string::npos || s.find(' ', sp + 1) != std::string::npos) return {s, std::string(), false};
+    return {s.substr(0, sp), s.substr(sp + 1), true};
+  }
+
+  // A nested container inside an entry of model.vocab / model.merges.
+  [[noreturn]] bool bad_bulk() {
+    if (mode_ == kVocab) fail(source_, ": model.vocab['", vocab_key_, "'] is not a valid token id");
+    fail(source_, ": model.merges[", out_.merges.size(), "] must be a string \"a b\" or a pair of strings");
+  }
+
+  bool value(json v) {
+    switch (mode_) {
+      case kVocab: {
+        int64_t id = -1;
+        if (v.is_number_integer() && v.get<int64_t>() >= 0 && v.get<int64_t>() <= INT32_MAX) id = v.get<int64_t>();
+        out_.vocab.emplace_back(std::move(vocab_key_), id);
+        return true;
+      }
+      case kMerges:
+        out_.merges.push_back({std::string(), std::string(), false});
+        return true;
+      case kMergePair:
+        pair_bad_ = true;  // a non-string member
+        return true;
+      case kNormal:
+        break;
+    }
+    if (stack_.empty()) {
+      out_.rest = std::move(v);
+      return true;
+    }
+    json& top = *stack_.back();
+    if (top.is_object())
+      top[keys_.back()] = std::move(v);
+    else
+      top.push_back(std::move(v));
+    return true;
+  }
+
+  void open(json container) {
+    ++depth_;
+    if (stack_.empty()) {
+      out_.rest = std::move(container);
+      stack_.push_back(&out_.rest);
+      return;
+    }
+    json& top = *stack_.back();
+    json* child;
+    if (top.is_object()) {
+      child = &(top[keys_.back()] = std::move(container));
+    } else {
+      top.push_back(std::move(container));
+      child = &top.back();
+    }
+    stack_.push_back(child);
+  }
+
+  ParsedJson& out_;
+  const std::string& source_;
+  std::string error_;
+  bool pair_bad_ = false;
+  Mode mode_ = kNormal;
+  int depth_ = 0;
+  std::vector<json*> stack_;
+  std::vector<std::string> keys_;  // current member name per open container
+  std::string vocab_key_;
+  std::vector<std::string> pair_;
+};
+
 std::string read_file(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   if (!f) fail("cannot open tokenizer file ", path, ": ", std::strerror(errno));
@@ -111,8 +335,9 @@ constexpr size_t kMaxCacheEntries = 1 << 18;  // then the cache is cleared
 struct Tokenizer::Impl {
   std::string source;
   // BPE model
-  StringMap<int32_t> vocab;          // byte-level string -> id
   std::vector<std::string> vocab_r;  // id -> byte-level string ("" when the id is not in the vocab)
+  VocabIndex vocab{&vocab_r};        // byte-level string -> id
+  size_t vocab_count = 0;
   MergeTable merges;
   std::array<int32_t, 256> byte_id{};
   bool ignore_merges = false;
@@ -125,13 +350,14 @@ struct Tokenizer::Impl {
   // per id (0 .. size-1)
   std::vector<std::string> bytes;  // what decode produces for the id
   std::vector<uint8_t> flags;      // kInVocab | kAdded | kSpecial
+  std::vector<int32_t> added_pos;  // index into `added`, or -1
   static constexpr uint8_t kInVocab = 1, kAdded = 2, kSpecial = 4;
   // piece cache
   mutable std::mutex cache_mu;
   mutable PieceCache cache{kMaxCacheEntries};
   bool cache_enabled = true;
 
-  void load(const json& j);
+  void load(ParsedJson& p);
   void encode_segment(std::string_view seg, std::vector<int32_t>& out) const;
   void encode_piece(std::string_view piece, std::vector<int32_t>& out) const;
 };
@@ -140,18 +366,6 @@ struct Tokenizer::Impl {
 
 namespace {
 
-std::string merge_part(const json& m, size_t idx, int part, const std::string& where) {
-  if (m.is_string()) {
-    const std::string& s = m.get_ref<const std::string&>();
-    const size_t sp = s.find(' ');
-    if (sp == std::string::npos || s.find(' ', sp + 1) != std::string::npos)
-      fail(where, ": model.merges[", idx, "] '", s, "' is not two tokens separated by one space");
-    return part == 0 ? s.substr(0, sp) : s.substr(sp + 1);
-  }
-  if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string()) return m[part].get<std::string>();
-  fail(where, ": model.merges[", idx, "] must be a string \"a b\" or a pair of strings");
-}
-
 bool is_null_or(const json& j, const char* key, auto pred) {
   const auto it = j.find(key);
   return it == j.end() || it->is_null() || pred(*it);
@@ -159,8 +373,9 @@ bool is_null_or(const json& j, const char* key, auto pred) {
 
 }  // namespace
 
-void Tokenizer::Impl::load(const json& j) {
+void Tokenizer::Impl::load(ParsedJson& p) {
   const std::string& W = source;
+  const json& j = p.rest;
   if (!j.is_object()) fail(W, ": tokenizer.json must be a JSON object");
 
   // -- normalizer: none (null or an empty Sequence) --
@@ -176,10 +391,8 @@ void Tokenizer::Impl::load(const json& j) {
   const json& m = *mit;
   if (m.contains("type") && (!m["type"].is_string() || m["type"].get<std::string>() != "BPE"))
     fail(W, ": model.type ", m["type"].dump(), " is not supported (only BPE)");
-  const auto vit = m.find("vocab");
-  if (vit == m.end() || !vit->is_object()) fail(W, ": missing object 'model.vocab'");
-  const auto rit = m.find("merges");
-  if (rit == m.end() || !rit->is_array()) fail(W, ": missing array 'model.merges'");
+  if (!p.has_vocab) fail(W, ": missing object 'model.vocab'");
+  if (!p.has_merges) fail(W, ": missing array 'model.merges'");
   if (!is_null_or(m, "dropout", [](const json& v) { return v.is_number() && v.get<double>() == 0.0; }))
     fail(W, ": model.dropout is not supported");
   for (const char* k : {"continuing_subword_prefix", "end_of_word_suffix"})
@@ -190,40 +403,47 @@ void Tokenizer::Impl::load(const json& j) {
     ignore_merges = it->get<bool>();
   }
 
-  vocab.reserve(vit->size());
   int32_t max_id = -1;
-  for (const auto& [tok, idv] : vit->items()) {
-    if (!idv.is_number_integer() || idv.get<int64_t>() < 0 || idv.get<int64_t>() > INT32_MAX)
-      fail(W, ": model.vocab['", tok, "'] is not a valid token id");
-    const auto id = static_cast<int32_t>(idv.get<int64_t>());
-    vocab.emplace(tok, id);
-    max_id = std::max(max_id, id);
+  for (const auto& [tok, id] : p.vocab) {
+    if (id < 0) fail(W, ": model.vocab['", tok, "'] is not a valid token id");
+    max_id = std::max(max_id, static_cast<int32_t>(id));
   }
   vocab_r.assign(static_cast<size_t>(max_id + 1), std::string());
   std::vector<uint8_t> seen(static_cast<size_t>(max_id + 1), 0);
-  for (const auto& [tok, id] : vocab) {
+  vocab.reserve(p.vocab.size());
+  for (auto& [tok, id64] : p.vocab) {
+    const auto id = static_cast<int32_t>(id64);
     if (seen[id]) fail(W, ": model.vocab has two tokens with id ", id, " ('", vocab_r[id], "', '", tok, "')");
     seen[id] = 1;
-    vocab_r[id] = tok;
+    vocab_r[id] = std::move(tok);
+    if (!vocab.insert(id)) fail(W, ": model.vocab lists '", vocab_r[id], "' twice");
   }
+  vocab_count = p.vocab.size();
+  p.vocab.clear();
+  p.vocab.shrink_to_fit();
   for (int b = 0; b < 256; ++b) {
     std::string sym;
     utf8::append(sym, byte_level::byte_to_char(static_cast<uint8_t>(b)));
-    const auto it = vocab.find(sym);
-    if (it == vocab.end()) fail(W, ": model.vocab lacks the byte-level symbol '", sym, "' of byte ", b);
-    byte_id[b] = it->second;
+    const int32_t id = vocab.find(sym);
+    if (id < 0) fail(W, ": model.vocab lacks the byte-level symbol '", sym, "' of byte ", b);
+    byte_id[b] = id;
   }
 
-  const json& mj = *rit;
-  merges.reserve(mj.size());
-  for (size_t r = 0; r < mj.size(); ++r) {
-    const std::string a = merge_part(mj[r], r, 0, W), b = merge_part(mj[r], r, 1, W);
-    const auto ia = vocab.find(a), ib = vocab.find(b), im = vocab.find(a + b);
-    if (ia == vocab.end()) fail(W, ": model.merges[", r, "]: token '", a, "' is not in the vocab");
-    if (ib == vocab.end()) fail(W, ": model.merges[", r, "]: token '", b, "' is not in the vocab");
-    if (im == vocab.end()) fail(W, ": model.merges[", r, "]: merged token '", a + b, "' is not in the vocab");
-    merges.set(ia->second, ib->second, static_cast<int32_t>(r), im->second);
+  merges.reserve(p.merges.size());
+  std::string ab;
+  for (size_t r = 0; r < p.merges.size(); ++r) {
+    const ParsedJson::Merge& mg = p.merges[r];
+    if (!mg.ok)
+      fail(W, ": model.merges[", r, "] must be a string \"a b\" (two tokens, one space) or a pair of strings");
+    ab.assign(mg.a).append(mg.b);
+    const int32_t ia = vocab.find(mg.a), ib = vocab.find(mg.b), im = vocab.find(ab);
+    if (ia < 0) fail(W, ": model.merges[", r, "]: token '", mg.a, "' is not in the vocab");
+    if (ib < 0) fail(W, ": model.merges[", r, "]: token '", mg.b, "' is not in the vocab");
+    if (im < 0) fail(W, ": model.merges[", r, "]: merged token '", ab, "' is not in the vocab");
+    merges.set(ia, ib, static_cast<int32_t>(r), im);
   }
+  p.merges.clear();
+  p.merges.shrink_to_fit();
 
   // -- pre-tokenizer / decoder --
   pre = PreTokenizer::from_json(j.contains("pre_tokenizer") ? j["pre_tokenizer"] : json(), W);
@@ -280,9 +500,12 @@ void Tokenizer::Impl::load(const json& j) {
       flags[id] |= kInVocab;
       bytes[id] = to_bytes(vocab_r[id]);
     }
-  for (const auto& a : added) {
+  added_pos.assign(n, -1);
+  for (size_t k = 0; k < added.size(); ++k) {
+    const AddedToken& a = added[k];
     flags[a.id] |= kAdded | (a.special ? kSpecial : 0);
     bytes[a.id] = to_bytes(a.content);
+    added_pos[a.id] = static_cast<int32_t>(k);
   }
 }
 
@@ -294,14 +517,15 @@ Tokenizer::~Tokenizer() = default;
 Tokenizer Tokenizer::from_json_text(std::string_view text, const std::string& source) {
   auto impl = std::make_unique<Impl>();
   impl->source = source;
-  json j;
+  ParsedJson parsed;
   try {
-    j = json::parse(text);
-  } catch (const json::parse_error& e) {
+    TokenizerSax sax(parsed, source);
+    if (!json::sax_parse(text.begin(), text.end(), &sax)) fail(source, ": malformed JSON: ", sax.error());
+  } catch (const json::exception& e) {
     fail(source, ": malformed JSON: ", e.what());
   }
   try {
-    impl->load(j);
+    impl->load(parsed);
   } catch (const json::exception& e) {
     fail(source, ": invalid tokenizer.json: ", e.what());
   }
@@ -335,7 +559,7 @@ void Tokenizer::Impl::encode_piece(std::string_view piece, std::vector<int32_t>&
   thread_local std::vector<int32_t> syms;
   syms.clear();
   if (ignore_merges) {
-    if (const auto it = vocab.find(byte_level::encode(piece)); it != vocab.end()) syms.push_back(it->second);
+    if (const int32_t id = vocab.find(byte_level::encode(piece)); id >= 0) syms.push_back(id);
   }
   if (syms.empty()) {
     syms.resize(piece.size());
@@ -427,16 +651,14 @@ std::string Tokenizer::decode_one(int32_t id) const {
 
 std::optional<int32_t> Tokenizer::token_to_id(std::string_view token) const {
   if (const auto it = impl_->added_by_content.find(token); it != impl_->added_by_content.end()) return it->second;
-  if (const auto it = impl_->vocab.find(token); it != impl_->vocab.end()) return it->second;
+  if (const int32_t id = impl_->vocab.find(token); id >= 0) return id;
   return std::nullopt;
 }
 
 std::string Tokenizer::id_to_token(int32_t id) const {
   if (id < 0 || static_cast<size_t>(id) >= impl_->flags.size())
     fail("id_to_token: token id ", id, " out of range [0, ", impl_->flags.size(), ") of ", impl_->source);
-  if (impl_->flags[id] & Impl::kAdded)
-    for (const auto& a : impl_->added)
-      if (a.id == id) return a.content;
+  if (const int32_t k = impl_->added_pos[id]; k >= 0) return impl_->added[k].content;
   if (static_cast<size_t>(id) < impl_->vocab_r.size()) return impl_->vocab_r[id];
   return std::string();
 }
@@ -450,7 +672,7 @@ bool Tokenizer::is_special(int32_t id) const {
 }
 
 size_t Tokenizer::size() const { return impl_->bytes.size(); }
-size_t Tokenizer::vocab_size() const { return impl_->vocab.size(); }
+size_t Tokenizer::vocab_size() const { return impl_->vocab_count; }
 const std::vector<AddedToken>& Tokenizer::added_tokens() const { return impl_->added; }
 const std::string& Tokenizer::source() const { return impl_->source; }
 

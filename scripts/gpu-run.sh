@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Runs on a GPU machine in one call: the GPU tests, the golden cases on the GPU and
+# the benchmark, writing a summary and the raw outputs to the folder given.
+#   bash scripts/gpu-run.sh OUT_DIR [BUILD_DIR] [GOLDEN_DIR]
+# The build directory is made on the development machine with
+#   cmake -S . -B build-gpu -DDSX_STATIC_DEPS=ON && cmake --build build-gpu
+# (third-party libraries and libstdc++ linked statically) and carried along.
+set -uo pipefail
+out=${1:?usage: gpu-run.sh OUT_DIR [BUILD_DIR] [GOLDEN_DIR]}
+build=${2:-build-gpu}
+golden=${3:-shared/golden}
+mkdir -p "$out"
+summary="$out/summary.txt"
+: >"$summary"
+log() { echo "$*" | tee -a "$summary"; }
+
+log "# dsx GPU run $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv,noheader 2>&1 | tee -a "$summary"
+export DSX_GOLDEN_DIR="$golden"
+export DSX_BUILD_DIR="$build"
+
+log "## GPU kernel tests"
+"$build/dsx_tests" --gtest_filter='*Cuda*' >"$out/gpu_tests.log" 2>&1
+log "exit $? ; $(grep -E '^\[  (PASSED|FAILED)  \]' "$out/gpu_tests.log" | tr '\n' ' ')"
+grep -E '^\[  FAILED  \]' "$out/gpu_tests.log" | head -40 | tee -a "$summary"
+
+if [ -x "$build/bench_cuda_kernels" ]; then
+  log "## kernel micro-benchmark"
+  "$build/bench_cuda_kernels" --csv "$out/kernels.csv" >"$out/kernels.log" 2>&1
+  log "exit $?"
+  tail -n 60 "$out/kernels.log" >>"$summary"
+fi
+
+for case in "$golden"/deepseek_v41*; do
+  [ -f "$case/golden.safetensors" ] || continue
+  for prec in fp32 bf16; do
+    log "## golden $(basename "$case") on cuda, precision $prec"
+    "$build/dsx" golden "$case" --backend cuda --precision "$prec" >>"$summary" 2>&1
+    log "exit $?"
+  done
+done
+
+if [ -n "${DSX_BENCH_ARGS:-}" ]; then
+  log "## dsx bench $DSX_BENCH_ARGS"
+  # shellcheck disable=SC2086
+  "$build/dsx" bench $DSX_BENCH_ARGS --csv "$out/bench.csv" --svg "$out/bench.svg" >"$out/bench.log" 2>&1
+  log "exit $?"
+  cat "$out/bench.log" >>"$summary"
+fi
+log "# done"

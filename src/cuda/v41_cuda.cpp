@@ -1,0 +1,1039 @@
+// DeepSeek V4.1 forward on the GPU. The structure follows V41Cpu::forward (spec
+// model-v41.md §3.7); section numbers refer to the spec.
+#include "cuda/v41_cuda.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <mutex>
+
+#include "cuda/step_kernels.h"
+#include "kernels/cuda/attention.h"
+#include "kernels/cuda/compressor.h"
+#include "kernels/cuda/cuda_util.h"
+#include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/engram_gate.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/gemv.h"
+#include "kernels/cuda/hc.h"
+#include "kernels/cuda/indexer.h"
+#include "kernels/cuda/kv_cache.h"
+#include "kernels/cuda/moe.h"
+#include "kernels/cuda/router.h"
+#include "kernels/cuda/topk.h"
+#include "model/engram.h"
+#include "model/rope.h"
+#include "model/weights.h"
+#include "runtime/kv_state.h"
+#include "util/error.h"
+
+namespace dsx {
+
+using namespace dsx::cuda;
+
+namespace {
+
+constexpr int kGemvMaxT = 16;  // up to this many rows use the weight-streaming GEMV
+
+// ---------------------------------------------------------------------------
+// Device arena: one allocation holding many tensors (256-byte aligned).
+class Arena {
+ public:
+  void reserve(size_t bytes) { buf_.alloc(bytes); }
+  void* take(size_t bytes) {
+    const size_t off = (used_ + 255) & ~size_t{255};
+    DSX_CHECK(off + bytes <= buf_.size(), "device arena exhausted (", off + bytes, " > ", buf_.size(), ")");
+    used_ = off + bytes;
+    return static_cast<char*>(buf_.get()) + off;
+  }
+  size_t used() const { return used_; }
+  size_t size() const { return buf_.size(); }
+
+ private:
+  DeviceBuffer buf_;
+  size_t used_ = 0;
+};
+
+size_t aligned(size_t b) { return (b + 255) & ~size_t{255}; }
+
+struct DevLayer {
+  float *attn_norm = nullptr, *ffn_norm = nullptr;
+  QMatrix hc_attn_fn, hc_ffn_fn;
+  float *hc_attn_base = nullptr, *hc_attn_scale = nullptr, *hc_ffn_base = nullptr, *hc_ffn_scale = nullptr;
+  QMatrix wq_a, wq_b, wkv, wo_a, wo_b;
+  float *q_norm = nullptr, *kv_norm = nullptr, *attn_sink = nullptr;
+  QMatrix comp_wkv, comp_wgate;
+  float* comp_norm = nullptr;
+  QMatrix idx_wq_b, idx_weights_proj, idx_wk;
+  float* idx_k_norm = nullptr;
+  QMatrix gate;
+  float* gate_bias = nullptr;
+  MoeLayer moe;
+  // Engram
+  bool has_engram = false;
+  QMatrix engram_wkv;
+  float* engram_w = nullptr;
+  const uint8_t* engram_table = nullptr;        // device-resident table (or null: host gather)
+  const uint8_t* engram_table_scale = nullptr;
+  const uint8_t* engram_host_table = nullptr;   // host table (mmap) for host gathers
+  const uint8_t* engram_host_scale = nullptr;
+  int64_t engram_rows = 0;
+};
+
+// ---------------------------------------------------------------------------
+// The model on the device.
+class DeviceModel {
+ public:
+  ModelConfig cfg;
+  Act act = Act::F32;
+  std::string fingerprint;
+  QMatrix embed, head;
+  float* norm = nullptr;
+  std::vector<DevLayer> layers;
+  float *main_inv_freq = nullptr, *comp_inv_freq = nullptr;
+  EngramLayout engram;
+  std::vector<int32_t> cmap;
+  int64_t weight_bytes = 0;
+  int64_t decode_weight_bytes = 0;
+  std::shared_ptr<ModelFiles> files;  // keeps host mappings alive (host engram gathers)
+  std::vector<uint8_t> synthetic_engram;  // synthetic model: small host table
+
+  static std::unique_ptr<DeviceModel> from_weights(const ModelConfig& cfg, const ModelWeights& w, Act act,
+                                                   std::vector<int32_t> cmap);
+  static std::unique_ptr<DeviceModel> synthetic(const ModelConfig& cfg, Act act, uint64_t seed);
+
+ private:
+  Arena arena_;
+  std::vector<DeviceBuffer> ptr_arrays_;
+
+  friend struct Uploader;
+};
+
+// Places host tensors (or random ones) into the arena.
+struct Uploader {
+  DeviceModel& m;
+  bool synthetic = false;
+  uint64_t seed = 1;
+  uint64_t counter = 0;
+  bool sizing = true;  // first pass counts bytes, second pass copies
+  size_t bytes = 0;
+
+  void* place(const void* host, size_t n, int kind = 0, float std = 0.02f, float mean = 0.0f, int center = 120) {
+    if (sizing) {
+      bytes += aligned(n);
+      return nullptr;
+    }
+    void* d = m.arena_.take(n);
+    if (host) {
+      DSX_CUDA_CHECK(cudaMemcpy(d, host, n, cudaMemcpyHostToDevice));
+    } else {
+      fill_random(d, static_cast<int64_t>(n), kind, seed * 1000003ull + (++counter), std, mean, center, 1, nullptr);
+    }
+    return d;
+  }
+  QMatrix matrix(const QMatrix& h) {
+    QMatrix d = h;
+    const int64_t N = h.rows, K = h.cols;
+    switch (h.fmt) {
+      case WFormat::F32:
+        d.data = static_cast<const uint8_t*>(place(h.data, static_cast<size_t>(N * K * 4), 4, 0.02f));
+        break;
+      case WFormat::BF16:
+        d.data = static_cast<const uint8_t*>(place(h.data, static_cast<size_t>(N * K * 2), 3, 1.0f / std::sqrt(float(K))));
+        break;
+      case WFormat::FP8_BLOCK: {
+        // synthetic: codes have std ~64, scales 2^-(6 + log2 sqrt K) give weights of std ~K^-1/2
+        const int64_t B = h.block;
+        const int center = 127 - 6 - static_cast<int>(std::lround(0.5 * std::log2(static_cast<double>(K))));
+        d.data = static_cast<const uint8_t*>(place(h.data, static_cast<size_t>(N * K), 0));
+        d.scale = static_cast<const uint8_t*>(place(h.scale, static_cast<size_t>(((N + B - 1) / B) * ((K + B - 1) / B)), 2, 0, 0, center));
+        break;
+      }
+      case WFormat::MXFP4: {
+        const int center = 127 - 1 - static_cast<int>(std::lround(0.5 * std::log2(static_cast<double>(K))));
+        d.data = static_cast<const uint8_t*>(place(h.data, static_cast<size_t>(N * K / 2), 1));
+        d.scale = static_cast<const uint8_t*>(place(h.scale, static_cast<size_t>(N * (K / 32)), 2, 0, 0, center));
+        break;
+      }
+    }
+    if (!sizing) m.weight_bytes += h.bytes();
+    return d;
+  }
+  float* vec(const std::vector<float>& v, size_t n, float mean = 1.0f, float std = 0.0f) {
+    return static_cast<float*>(place(v.empty() ? nullptr : v.data(), n * 4, 4, std, mean));
+  }
+};
+
+QMatrix host_shape(WFormat f, int64_t n, int64_t k, int block, const std::string& name) {
+  QMatrix q;
+  q.fmt = f;
+  q.rows = n;
+  q.cols = k;
+  q.block = f == WFormat::MXFP4 ? 32 : block;
+  q.name = name;
+  return q;
+}
+
+// One upload / synthesis pass over every tensor, in a fixed order. `hw` may be null
+// (synthetic model: shapes from the config, random device data).
+void upload_pass(Uploader& u, const ModelConfig& c, const ModelWeights* hw) {
+  DeviceModel& m = u.m;
+  const int64_t D = c.hidden, M = c.hc_mult, mix = c.hc_mix_dim(), H = c.n_heads, hd = c.head_dim;
+  const int64_t ql = c.q_lora_rank, G = c.o_groups, ol = c.o_lora_rank, E = c.n_routed_experts, I = c.moe_inter;
+  const int B = c.quant_block;
+  auto mat = [&](const QMatrix* h, WFormat f, int64_t n, int64_t k, const char* name) {
+    return u.matrix(h ? *h : host_shape(f, n, k, B, name));
+  };
+  const std::vector<float> none;
+  m.embed = mat(hw ? &hw->embed : nullptr, WFormat::BF16, c.vocab_size, D, "embed");
+  m.head = mat(hw ? &hw->head : nullptr, WFormat::BF16, c.vocab_size, D, "head");
+  m.norm = u.vec(hw ? hw->norm : none, static_cast<size_t>(D));
+  m.layers.resize(static_cast<size_t>(c.n_layers));
+  for (int l = 0; l < c.n_layers; ++l) {
+    DevLayer& L = m.layers[static_cast<size_t>(l)];
+    const LayerWeights* h = hw ? &hw->layers[static_cast<size_t>(l)] : nullptr;
+    L.attn_norm = u.vec(h ? h->attn_norm : none, static_cast<size_t>(D));
+    L.ffn_norm = u.vec(h ? h->ffn_norm : none, static_cast<size_t>(D));
+    L.hc_attn_fn = mat(h ? &h->hc_attn_fn : nullptr, WFormat::F32, mix, M * D, "hc_attn_fn");
+    L.hc_ffn_fn = mat(h ? &h->hc_ffn_fn : nullptr, WFormat::F32, mix, M * D, "hc_ffn_fn");
+    L.hc_attn_base = u.vec(h ? h->hc_attn_base : none, static_cast<size_t>(mix), 0.0f, 0.1f);
+    L.hc_attn_scale = u.vec(h ? h->hc_attn_scale : none, 3);
+    L.hc_ffn_base = u.vec(h ? h->hc_ffn_base : none, static_cast<size_t>(mix), 0.0f, 0.1f);
+    L.hc_ffn_scale = u.vec(h ? h->hc_ffn_scale : none, 3);
+    L.wq_a = mat(h ? &h->wq_a : nullptr, WFormat::FP8_BLOCK, ql, D, "wq_a");
+    L.q_norm = u.vec(h ? h->q_norm : none, static_cast<size_t>(ql));
+    L.wq_b = mat(h ? &h->wq_b : nullptr, WFormat::FP8_BLOCK, H * hd, ql, "wq_b");
+    L.wkv = mat(h ? &h->wkv : nullptr, WFormat::FP8_BLOCK, hd, D, "wkv");
+    L.kv_norm = u.vec(h ? h->kv_norm : none, static_cast<size_t>(hd));
+    L.wo_a = mat(h ? &h->wo_a : nullptr, WFormat::FP8_BLOCK, G * ol, H * hd / G, "wo_a");
+    L.wo_b = mat(h ? &h->wo_b : nullptr, WFormat::FP8_BLOCK, D, G * ol, "wo_b");
+    L.attn_sink = u.vec(h ? h->attn_sink : none, static_cast<size_t>(H), 0.0f, 0.5f);
+    if (c.is_kv_source(l)) {
+      L.comp_wkv = mat(h ? &h->comp_wkv : nullptr, WFormat::BF16, hd, D, "comp_wkv");
+      if (c.ratio(l) > 1) L.comp_wgate = mat(h ? &h->comp_wgate : nullptr, WFormat::BF16, hd, D, "comp_wgate");
+      L.comp_norm = u.vec(h ? h->comp_norm : none, static_cast<size_t>(hd));
+    }
+    if (c.is_index_source(l)) {
+      const int64_t ih = c.index_n_heads, ihd = c.index_head_dim;
+      L.idx_wq_b = mat(h ? &h->idx_wq_b : nullptr, WFormat::FP8_BLOCK, ih * ihd, ql, "idx_wq_b");
+      L.idx_weights_proj = mat(h ? &h->idx_weights_proj : nullptr, WFormat::BF16, ih, D, "weights_proj");
+      if (c.is_kv_source(l)) {
+        L.idx_wk = mat(h ? &h->idx_wk : nullptr, WFormat::BF16, ihd, hd, "idx_wk");
+        L.idx_k_norm = u.vec(h ? h->idx_k_norm : none, static_cast<size_t>(ihd));
+      }
+    }
+    L.gate = mat(h ? &h->gate : nullptr, WFormat::BF16, E, D, "gate");
+    L.gate_bias = u.vec(h ? h->gate_bias : none, static_cast<size_t>(E), 0.0f, 0.05f);
+    std::vector<const uint8_t*> p1(E), s1(E), p2(E), s2(E), p3(E), s3(E);
+    for (int64_t e = 0; e < E; ++e) {
+      QMatrix d1 = mat(h ? &h->w1[e] : nullptr, WFormat::MXFP4, I, D, "w1");
+      QMatrix d3 = mat(h ? &h->w3[e] : nullptr, WFormat::MXFP4, I, D, "w3");
+      QMatrix d2 = mat(h ? &h->w2[e] : nullptr, WFormat::MXFP4, D, I, "w2");
+      p1[e] = d1.data, s1[e] = d1.scale, p3[e] = d3.data, s3[e] = d3.scale, p2[e] = d2.data, s2[e] = d2.scale;
+    }
+    L.moe.n_experts = static_cast<int>(E);
+    L.moe.hidden = D;
+    L.moe.inter = I;
+    L.moe.shared_w1 = mat(h ? &h->sw1 : nullptr, WFormat::FP8_BLOCK, I, D, "sw1");
+    L.moe.shared_w3 = mat(h ? &h->sw3 : nullptr, WFormat::FP8_BLOCK, I, D, "sw3");
+    L.moe.shared_w2 = mat(h ? &h->sw2 : nullptr, WFormat::FP8_BLOCK, D, I, "sw2");
+    L.moe.swiglu_limit = c.swiglu_limit;
+    L.moe.qblock = B;
+    auto ptrs = [&](const std::vector<const uint8_t*>& v) -> const uint8_t* const* {
+      return static_cast<const uint8_t* const*>(u.place(v.data(), v.size() * sizeof(void*)));
+    };
+    L.moe.w1 = ptrs(p1), L.moe.w1_scale = ptrs(s1), L.moe.w3 = ptrs(p3), L.moe.w3_scale = ptrs(s3);
+    L.moe.w2 = ptrs(p2), L.moe.w2_scale = ptrs(s2);
+    const int ei = c.engram_index(l);
+    if (ei >= 0) {
+      L.has_engram = true;
+      const int64_t ncols = static_cast<int64_t>(c.engram_max_ngram - 1) * c.engram_n_heads, ed = c.engram_head_dim;
+      L.engram_wkv = mat(h ? &h->engram_wkv : nullptr, WFormat::FP8_BLOCK, (M + 1) * D, ncols * ed, "engram_wkv");
+      L.engram_w = u.vec(h ? h->engram_w : none, static_cast<size_t>(M * D));
+      L.engram_rows = c.engram_num_embeddings[static_cast<size_t>(ei)];
+      const int64_t table_bytes = L.engram_rows * (ed + ed / 32);
+      if (h && table_bytes <= (int64_t{4} << 30)) {
+        // small enough: keep the table on the device
+        L.engram_table = static_cast<const uint8_t*>(u.place(h->engram_table.data, static_cast<size_t>(L.engram_rows * ed)));
+        L.engram_table_scale =
+            static_cast<const uint8_t*>(u.place(h->engram_table.scale, static_cast<size_t>(L.engram_rows * ed / 32)));
+      } else if (h) {
+        L.engram_host_table = h->engram_table.data;
+        L.engram_host_scale = h->engram_table.scale;
+      }
+    }
+  }
+  const auto mr = make_main_rope(c), cr = make_compress_rope(c);
+  m.main_inv_freq = u.vec(mr.inv_freq, mr.inv_freq.size());
+  m.comp_inv_freq = u.vec(cr.inv_freq, cr.inv_freq.size());
+}
+
+std::unique_ptr<DeviceModel> DeviceModel::from_weights(const ModelConfig& cfg, const ModelWeights& w, Act act,
+                                                       std::vector<int32_t> cmap) {
+  auto m = std::make_unique<DeviceModel>();
+  m->cfg = cfg;
+  m->act = act;
+  m->files = w.files;
+  m->fingerprint = w.files ? w.files->fingerprint() : "";
+  m->cmap = std::move(cmap);
+  if (!cfg.engram_layers.empty())
+    m->engram = EngramLayout::build(cfg, m->cmap[static_cast<size_t>(cfg.engram_pad_id)]);
+  Uploader sz{*m};
+  upload_pass(sz, cfg, &w);
+  m->arena_.reserve(sz.bytes);
+  Uploader up{*m};
+  up.sizing = false;
+  upload_pass(up, cfg, &w);
+  m->decode_weight_bytes = v41_decode_weight_bytes(cfg);
+  return m;
+}
+
+std::unique_ptr<DeviceModel> DeviceModel::synthetic(const ModelConfig& cfg, Act act, uint64_t seed) {
+  auto m = std::make_unique<DeviceModel>();
+  m->cfg = cfg;
+  m->act = act;
+  m->fingerprint = "synthetic-" + std::to_string(seed);
+  if (!cfg.engram_layers.empty()) {
+    m->cmap.assign(static_cast<size_t>(cfg.vocab_size), 0);
+    for (int64_t i = 0; i < cfg.vocab_size; ++i) m->cmap[static_cast<size_t>(i)] = static_cast<int32_t>(i % cfg.engram_compressed_vocab);
+    m->engram = EngramLayout::build(cfg, m->cmap[static_cast<size_t>(cfg.engram_pad_id)]);
+  }
+  Uploader sz{*m, true, seed};
+  upload_pass(sz, cfg, nullptr);
+  m->arena_.reserve(sz.bytes);
+  Uploader up{*m, true, seed};
+  up.sizing = false;
+  upload_pass(up, cfg, nullptr);
+  DSX_CUDA_CHECK(cudaDeviceSynchronize());
+  // Engram tables of the release are ~100 GB each: the synthetic model gathers rows
+  // on the host from a small random table (row id modulo its size).
+  const int64_t ed = cfg.engram_head_dim;
+  m->synthetic_engram.resize(static_cast<size_t>((int64_t{1} << 16) * (ed + ed / 32)));
+  uint64_t x = seed;
+  for (auto& b : m->synthetic_engram) {
+    x = x * 6364136223846793005ull + 1442695040888963407ull;
+    b = static_cast<uint8_t>(x >> 56);
+  }
+  for (int64_t r = 0; r < (int64_t{1} << 16); ++r)
+    for (int64_t j = 0; j < ed / 32; ++j) m->synthetic_engram[static_cast<size_t>((int64_t{1} << 16) * ed + r * (ed / 32) + j)] = 120;
+  for (int64_t i = 0; i < (int64_t{1} << 16) * ed; ++i)
+    if ((m->synthetic_engram[static_cast<size_t>(i)] & 0x7f) == 0x7f) m->synthetic_engram[static_cast<size_t>(i)] = 0x7e;
+  for (auto& L : m->layers)
+    if (L.has_engram) {
+      L.engram_host_table = m->synthetic_engram.data();
+      L.engram_host_scale = m->synthetic_engram.data() + (int64_t{1} << 16) * ed;
+      L.engram_rows = int64_t{1} << 16;
+    }
+  m->decode_weight_bytes = v41_decode_weight_bytes(cfg);
+  return m;
+}
+
+// ---------------------------------------------------------------------------
+// One sequence on the device.
+class CudaSession : public Session {
+ public:
+  CudaSession(const DeviceModel& m, const EngineOptions& o);
+  ~CudaSession() override;
+
+  int64_t position() const override { return pos_; }
+  const std::vector<int32_t>& tokens() const override { return tokens_; }
+  void feed(const int32_t* ids, int64_t n, float* logits, bool all_rows) override;
+  std::vector<uint8_t> save() const override;
+  void restore(const std::vector<uint8_t>& snapshot) override;
+  void rollback(int64_t position) override;
+  int64_t state_bytes() const override { return static_cast<int64_t>(cache_.geometry().device_bytes()); }
+
+ private:
+  void step(const int32_t* ids, int T, bool all_rows);  // enqueue inputs, run, advance
+  void forward(int T, bool all_rows);                   // the kernels of one chunk
+  void attention(int l, int T);
+  void moe(int l, int T);
+  void lin(const QMatrix& W, const void* x, int64_t ldx, int T, Act yt, void* y, int64_t ldy, bool qa8,
+           int groups = 1);
+  void stage_engram(const int32_t* ids, int T);
+
+  const DeviceModel& m_;
+  const ModelConfig& c_;
+  Act act_;
+  size_t ab_;  // bytes per activation element
+  int tmax_;
+  int64_t max_ctx_;
+  cudaStream_t stream_ = nullptr;
+  DeviceKVCache cache_;
+  int64_t pos_ = 0;
+  std::vector<int32_t> tokens_;
+
+  // step buffers
+  Arena buf_;
+  int32_t* d_ids_ = nullptr;
+  int64_t* d_engram_ids_ = nullptr;
+  int64_t* d_iota_ = nullptr;
+  uint8_t *engram_stage_ = nullptr, *engram_stage_scale_ = nullptr;
+  std::vector<uint8_t> engram_host_stage_;
+  void *X_ = nullptr, *a_ = nullptr, *f_ = nullptr, *y_ = nullptr, *h_ = nullptr;
+  float *pre0_ = nullptr, *pa_ = nullptr, *qa_ = nullptr, *Ca_ = nullptr, *pf_ = nullptr, *qf_ = nullptr,
+        *Cf_ = nullptr;
+  void* hc_work_ = nullptr;
+  void *q_lat_ = nullptr, *q_ = nullptr, *kv_raw_ = nullptr, *o_ = nullptr, *zeta_ = nullptr;
+  Fq8Rows chunk_;
+  float *kappa_ = nullptr, *gamma_ = nullptr;
+  void* comp_act_ = nullptr;
+  void *idx_q_ = nullptr, *idx_w_ = nullptr;
+  float* idx_qf_ = nullptr;
+  int64_t score_ld_ = 0, block_ld_ = 0;
+  float *scores_ = nullptr, *bscores_ = nullptr;
+  int32_t *counts_ = nullptr, *bcounts_ = nullptr, *cand_ = nullptr, *cand_count_ = nullptr, *sel_ = nullptr,
+          *sel_count_ = nullptr;
+  float* attn_work_ = nullptr;
+  int attn_splits_ = 1;
+  float *router_logits_ = nullptr, *route_w_ = nullptr;
+  int32_t* route_ids_ = nullptr;
+  void* moe_ws_ = nullptr;
+  size_t moe_ws_bytes_ = 0;
+  void *u_ = nullptr, *yE_ = nullptr;
+  float* logits_ = nullptr;
+  void* gemm_ws_ = nullptr;
+  size_t gemm_ws_bytes_ = 0;
+  float* gemv_ws_ = nullptr;
+  size_t gemv_ws_bytes_ = 0;
+  // decode graph
+  cudaGraphExec_t graph_ = nullptr;
+  int decode_steps_ = 0;
+};
+
+CudaSession::CudaSession(const DeviceModel& m, const EngineOptions& o)
+    : m_(m), c_(m.cfg), act_(m.act), ab_(act_bytes(m.act)) {
+  DSX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  max_ctx_ = o.max_context > 0 ? o.max_context : 8192;
+  tmax_ = 256;
+  const int64_t D = c_.hidden, M = c_.hc_mult, H = c_.n_heads, hd = c_.head_dim, ql = c_.q_lora_rank;
+  const int64_t G = c_.o_groups, ol = c_.o_lora_rank, E = c_.n_routed_experts, K = c_.n_experts_per_tok;
+  const int64_t ih = c_.index_n_heads, ihd = c_.index_head_dim, V = c_.vocab_size;
+  cache_.allocate(DeviceKVGeometry::from_config(c_, max_ctx_, o.rollback_depth));
+
+  int min_ratio = 0;
+  for (int l = 0; l < c_.n_layers; ++l)
+    if (c_.ratio(l) > 0) min_ratio = min_ratio == 0 ? c_.ratio(l) : std::min(min_ratio, c_.ratio(l));
+  score_ld_ = std::max<int64_t>(1, min_ratio > 0 ? max_ctx_ / min_ratio + 1 : 1);
+  score_ld_ = std::max<int64_t>(score_ld_, static_cast<int64_t>(c_.candidate_topk_blocks) * c_.candidate_block_size);
+  block_ld_ = c_.candidate_block_size > 0 ? score_ld_ / c_.candidate_block_size + 1 : 1;
+  attn_splits_ = attention_decode_splits(c_.window, c_.index_topk);
+  const int64_t T = tmax_;
+  // workspace sizes of the linear kernels
+  GemmOpts go;
+  go.qblock = c_.quant_block;
+  go.compute = act_;
+  GemvOpts gv;
+  gv.qblock = c_.quant_block;
+  auto consider = [&](const QMatrix& W, bool qa8, int groups) {
+    if (!W.rows) return;
+    GemmOpts g = go;
+    g.qa8 = qa8;
+    g.groups = groups;
+    gemm_ws_bytes_ = std::max(gemm_ws_bytes_, gemm_ws_bytes(W, tmax_, g));
+    GemvOpts v = gv;
+    v.qa8 = qa8;
+    v.groups = groups;
+    for (int t = 1; t <= kGemvMaxT; t *= 2) gemv_ws_bytes_ = std::max(gemv_ws_bytes_, gemv_split_ws_bytes(W, t, v));
+  };
+  for (const auto& L : m_.layers) {
+    for (const QMatrix* q : {&L.hc_attn_fn, &L.hc_ffn_fn, &L.wq_a, &L.wq_b, &L.wkv, &L.wo_b, &L.comp_wkv,
+                             &L.comp_wgate, &L.idx_wq_b, &L.idx_weights_proj, &L.gate, &L.engram_wkv})
+      consider(*q, true, 1);
+    consider(L.wo_a, false, c_.o_groups);
+  }
+  consider(m_.head, false, 1);
+  moe_ws_bytes_ = std::max(moe_decode_ws_bytes(m_.layers[0].moe, kGemvMaxT, static_cast<int>(K)),
+                           moe_prefill_ws_bytes(m_.layers[0].moe, tmax_, static_cast<int>(K)));
+  const int nl = m_.engram.n_layers, nc = m_.engram.n_cols;
+  const int64_t ed = c_.engram_head_dim;
+
+  auto sizes = [&](Arena* a, size_t& total) {
+    auto take = [&](size_t n) -> void* {
+      if (!a) {
+        total += aligned(n);
+        return nullptr;
+      }
+      return a->take(n);
+    };
+    d_ids_ = static_cast<int32_t*>(take(T * 4));
+    d_engram_ids_ = static_cast<int64_t*>(take(std::max<int64_t>(1, T * nl * nc) * 8));
+    engram_stage_ = static_cast<uint8_t*>(take(std::max<int64_t>(1, nl * T * nc * ed)));
+    engram_stage_scale_ = static_cast<uint8_t*>(take(std::max<int64_t>(1, nl * T * nc * ed / 32)));
+    d_iota_ = static_cast<int64_t*>(take(std::max<int64_t>(1, T * nc) * 8));
+    X_ = take(T * M * D * ab_);
+    a_ = take(T * D * ab_);
+    f_ = take(T * D * ab_);
+    y_ = take(T * D * ab_);
+    h_ = take(T * D * ab_);
+    pre0_ = static_cast<float*>(take(T * M * 4));
+    pa_ = static_cast<float*>(take(T * M * 4));
+    qa_ = static_cast<float*>(take(T * M * 4));
+    Ca_ = static_cast<float*>(take(T * M * M * 4));
+    pf_ = static_cast<float*>(take(T * M * 4));
+    qf_ = static_cast<float*>(take(T * M * 4));
+    Cf_ = static_cast<float*>(take(T * M * M * 4));
+    hc_work_ = take(hc_work_bytes(static_cast<int>(T), D));
+    q_lat_ = take(T * ql * ab_);
+    q_ = take(T * H * hd * ab_);
+    kv_raw_ = take(T * hd * ab_);
+    chunk_.dim = static_cast<int>(hd);
+    chunk_.codes = static_cast<uint8_t*>(take(T * hd));
+    chunk_.scales = static_cast<uint8_t*>(take(T * hd / 32));
+    o_ = take(T * H * hd * ab_);
+    zeta_ = take(T * G * ol * ab_);
+    kappa_ = static_cast<float*>(take(T * hd * 4));
+    gamma_ = static_cast<float*>(take(T * hd * 4));
+    comp_act_ = take(T * hd * ab_);
+    idx_q_ = take(T * ih * ihd * ab_);
+    idx_qf_ = static_cast<float*>(take(T * ih * ihd * 4));
+    idx_w_ = take(T * ih * ab_);
+    scores_ = static_cast<float*>(take(T * score_ld_ * 4));
+    counts_ = static_cast<int32_t*>(take(T * 4));
+    bscores_ = static_cast<float*>(take(T * block_ld_ * 4));
+    bcounts_ = static_cast<int32_t*>(take(T * 4));
+    cand_ = static_cast<int32_t*>(take(T * std::max(1, c_.candidate_topk_blocks) * 4));
+    cand_count_ = static_cast<int32_t*>(take(T * 4));
+    sel_ = static_cast<int32_t*>(take(T * c_.index_topk * 4));
+    sel_count_ = static_cast<int32_t*>(take(T * 4));
+    attn_work_ = static_cast<float*>(take(attention_work_floats(1, static_cast<int>(H), static_cast<int>(hd), attn_splits_) * 4));
+    router_logits_ = static_cast<float*>(take(T * E * 4));
+    route_ids_ = static_cast<int32_t*>(take(T * K * 4));
+    route_w_ = static_cast<float*>(take(T * K * 4));
+    moe_ws_ = take(moe_ws_bytes_);
+    u_ = take(std::max<int64_t>(1, T * nc * ed) * ab_);
+    yE_ = take(std::max<int64_t>(1, T * (M + 1) * D) * ab_);
+    logits_ = static_cast<float*>(take(T * V * 4));
+    gemm_ws_ = take(std::max<size_t>(gemm_ws_bytes_, 256));
+    gemv_ws_ = static_cast<float*>(take(std::max<size_t>(gemv_ws_bytes_, 256)));
+  };
+  size_t total = 0;
+  sizes(nullptr, total);
+  buf_.reserve(total + 4096);
+  sizes(&buf_, total);
+  engram_host_stage_.resize(static_cast<size_t>(std::max<int64_t>(1, nl * T * nc * (ed + ed / 32))));
+  if (nl > 0) {
+    std::vector<int64_t> iota(static_cast<size_t>(T * nc));
+    for (size_t i = 0; i < iota.size(); ++i) iota[i] = static_cast<int64_t>(i);
+    DSX_CUDA_CHECK(cudaMemcpy(d_iota_, iota.data(), iota.size() * 8, cudaMemcpyHostToDevice));
+  }
+}
+
+CudaSession::~CudaSession() {
+  if (graph_) cudaGraphExecDestroy(graph_);
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+void CudaSession::lin(const QMatrix& W, const void* x, int64_t ldx, int T, Act yt, void* y, int64_t ldy, bool qa8,
+                      int groups) {
+  if (T <= kGemvMaxT) {
+    GemvOpts o;
+    o.qa8 = qa8;
+    o.qblock = c_.quant_block;
+    o.groups = groups;
+    o.split_ws = gemv_ws_;
+    o.split_ws_bytes = gemv_ws_bytes_;
+    gemv(W, act_, x, ldx, T, yt, y, ldy, o, stream_);
+  } else {
+    GemmOpts o;
+    o.qa8 = qa8;
+    o.qblock = c_.quant_block;
+    o.groups = groups;
+    o.compute = act_;
+    gemm(W, act_, x, ldx, T, yt, y, ldy, o, gemm_ws_, gemm_ws_bytes_, stream_);
+  }
+}
+
+// Engram row ids (host hashing of the token history, spec §3.2.2) and, for tables
+// kept on the host, the gathered rows.
+void CudaSession::stage_engram(const int32_t* ids, int T) {
+  const EngramLayout& E = m_.engram;
+  if (E.n_layers == 0) return;
+  const int64_t p0 = pos_, back = E.max_ngram - 1, h0 = std::max<int64_t>(0, p0 - back);
+  std::vector<int32_t> hist;
+  for (int64_t p = h0; p < p0 + T; ++p) {
+    const int32_t raw = p < p0 ? tokens_[static_cast<size_t>(p)] : ids[p - p0];
+    hist.push_back(m_.cmap[static_cast<size_t>(raw)]);
+  }
+  const int nl = E.n_layers, nc = E.n_cols;
+  const int64_t n = static_cast<int64_t>(T) * nc, ed = c_.engram_head_dim;
+  std::vector<int64_t> rows(static_cast<size_t>(nl * n));  // [layer][t][col]
+  for (int li = 0; li < nl; ++li)
+    for (int t = 0; t < T; ++t) E.row_ids(li, hist.data(), h0, p0 + t, rows.data() + li * n + static_cast<int64_t>(t) * nc);
+  DSX_CUDA_CHECK(cudaMemcpyAsync(d_engram_ids_, rows.data(), rows.size() * 8, cudaMemcpyHostToDevice, stream_));
+  for (int li = 0; li < nl; ++li) {
+    const DevLayer& L = m_.layers[static_cast<size_t>(c_.engram_layers[static_cast<size_t>(li)])];
+    if (L.engram_table) continue;
+    // gather this layer's rows on the host (the release tables stay memory-mapped)
+    uint8_t* codes = engram_host_stage_.data() + li * n * (ed + ed / 32);
+    uint8_t* scales = codes + n * ed;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t r = rows[static_cast<size_t>(li * n + i)] % L.engram_rows;
+      std::memcpy(codes + i * ed, L.engram_host_table + r * ed, static_cast<size_t>(ed));
+      std::memcpy(scales + i * (ed / 32), L.engram_host_scale + r * (ed / 32), static_cast<size_t>(ed / 32));
+    }
+    DSX_CUDA_CHECK(cudaMemcpyAsync(engram_stage_ + li * n * ed, codes, static_cast<size_t>(n * ed), cudaMemcpyHostToDevice, stream_));
+    DSX_CUDA_CHECK(cudaMemcpyAsync(engram_stage_scale_ + li * n * (ed / 32), scales, static_cast<size_t>(n * ed / 32),
+                                   cudaMemcpyHostToDevice, stream_));
+  }
+  DSX_CUDA_CHECK(cudaStreamSynchronize(stream_));  // host buffers are reused by the next step
+}
+
+void CudaSession::forward(int T, bool all_rows) {
+  const int64_t D = c_.hidden, M = c_.hc_mult, V = c_.vocab_size;
+  embed_streams(act_, reinterpret_cast<const uint16_t*>(m_.embed.data), d_ids_, T, static_cast<int>(M), D, X_, stream_);
+  onehot_pre(pre0_, T, static_cast<int>(M), stream_);
+  const float* pre = pre0_;
+  // the pending expansion of the previous sublayer (spec §3.3.2)
+  const void* pend_y = nullptr;
+  const float *pend_post = nullptr, *pend_comb = nullptr;
+  for (int l = 0; l < c_.n_layers; ++l) {
+    const DevLayer& L = m_.layers[static_cast<size_t>(l)];
+    // §3.2 Engram before the layer's mixing
+    if (L.has_engram) {
+      if (pend_y) {
+        HcPassArgs e;
+        e.T = T, e.D = D, e.X = X_, e.y = pend_y, e.post = pend_post, e.comb = pend_comb, e.work = hc_work_;
+        hc_pass(act_, e, stream_);
+        pend_y = nullptr;
+      }
+      const int li = c_.engram_index(l), nc = m_.engram.n_cols;
+      const int ed = c_.engram_head_dim;
+      const int64_t n = static_cast<int64_t>(T) * nc;
+      if (L.engram_table) {
+        engram_gather(act_, L.engram_table, L.engram_table_scale, ed, d_engram_ids_ + li * n, static_cast<int>(n), u_,
+                      nullptr, nullptr, stream_);
+      } else {  // rows the host gathered (stage_engram), in order
+        engram_gather(act_, engram_stage_ + li * n * ed, engram_stage_scale_ + li * n * (ed / 32), ed, d_iota_,
+                      static_cast<int>(n), u_, nullptr, nullptr, stream_);
+      }
+      lin(L.engram_wkv, u_, static_cast<int64_t>(nc) * ed, T, act_, yE_, (M + 1) * D, true);
+      engram_gate(act_, T, static_cast<int>(M), D, yE_, X_, L.engram_w, c_.rms_eps, stream_);
+    }
+    // site transition into the attention: expand (pending), mix (attn), collapse (pre)
+    {
+      HcPassArgs p;
+      p.T = T, p.D = D, p.X = X_, p.y = pend_y, p.post = pend_post, p.comb = pend_comb;
+      p.fn = reinterpret_cast<const float*>(L.hc_attn_fn.data);
+      p.pre = pre, p.collapsed = a_, p.work = hc_work_;
+      hc_pass(act_, p, stream_);
+      HcFinishArgs fz;
+      fz.T = T, fz.D = D, fz.work = hc_work_, fz.have_mix = true, fz.base = L.hc_attn_base, fz.scale = L.hc_attn_scale;
+      fz.norm_eps = c_.rms_eps, fz.hc_eps = c_.hc_eps, fz.sinkhorn_iters = c_.hc_sinkhorn_iters;
+      fz.pre = pa_, fz.post = qa_, fz.comb = Ca_;
+      fz.collapsed = a_, fz.norm_w = L.attn_norm, fz.norm_out = a_;
+      hc_finish(act_, fz, stream_);
+    }
+    attention(l, T);  // writes y_
+    {
+      HcPassArgs p;
+      p.T = T, p.D = D, p.X = X_, p.y = y_, p.post = qa_, p.comb = Ca_;
+      p.fn = reinterpret_cast<const float*>(L.hc_ffn_fn.data);
+      p.pre = pa_, p.collapsed = f_, p.work = hc_work_;
+      hc_pass(act_, p, stream_);
+      HcFinishArgs fz;
+      fz.T = T, fz.D = D, fz.work = hc_work_, fz.have_mix = true, fz.base = L.hc_ffn_base, fz.scale = L.hc_ffn_scale;
+      fz.norm_eps = c_.rms_eps, fz.hc_eps = c_.hc_eps, fz.sinkhorn_iters = c_.hc_sinkhorn_iters;
+      fz.pre = pf_, fz.post = qf_, fz.comb = Cf_;
+      fz.collapsed = f_, fz.norm_w = L.ffn_norm, fz.norm_out = f_;
+      hc_finish(act_, fz, stream_);
+    }
+    moe(l, T);  // writes y_
+    pend_y = y_, pend_post = qf_, pend_comb = Cf_;
+    pre = pf_;
+  }
+  // §3.6 final fold, norm, head
+  {
+    HcPassArgs p;
+    p.T = T, p.D = D, p.X = X_, p.y = pend_y, p.post = pend_post, p.comb = pend_comb;
+    p.pre = pre, p.collapsed = h_, p.work = hc_work_;
+    hc_pass(act_, p, stream_);
+    HcFinishArgs fz;
+    fz.T = T, fz.D = D, fz.work = hc_work_, fz.norm_eps = c_.rms_eps;
+    fz.collapsed = h_, fz.norm_w = m_.norm, fz.norm_out = h_;
+    hc_finish(act_, fz, stream_);
+  }
+  if (all_rows) {
+    lin(m_.head, h_, D, T, Act::F32, logits_, V, false);
+  } else {
+    lin(m_.head, static_cast<char*>(h_) + static_cast<int64_t>(T - 1) * D * ab_, D, 1, Act::F32, logits_, V, false);
+  }
+  advance_pos(cache_.d_pos(), T, stream_);
+}
+
+// §3.4 attention of layer l for the chunk.
+void CudaSession::attention(int l, int T) {
+  const DevLayer& L = m_.layers[static_cast<size_t>(l)];
+  const int64_t D = c_.hidden, H = c_.n_heads, hd = c_.head_dim, ql = c_.q_lora_rank;
+  const int64_t G = c_.o_groups, ol = c_.o_lora_rank;
+  const int r = c_.ratio(l);
+  const float* inv_freq = r > 0 ? m_.comp_inv_freq : m_.main_inv_freq;
+  const int np = c_.rope_dim / 2;
+  // §3.4.1 queries
+  lin(L.wq_a, a_, D, T, act_, q_lat_, ql, true);
+  rmsnorm(act_, q_lat_, q_lat_, L.q_norm, T, static_cast<int>(ql), c_.rms_eps, nullptr, nullptr, stream_);
+  lin(L.wq_b, q_lat_, ql, T, act_, q_, H * hd, true);
+  rope(act_, q_, T, static_cast<int>(H), static_cast<int>(hd), np, inv_freq, cache_.d_pos(), false, stream_);
+  // §3.4.2 window KV
+  lin(L.wkv, a_, D, T, act_, kv_raw_, hd, true);
+  kv_finish(act_, kv_raw_, L.kv_norm, c_.rms_eps, T, static_cast<int>(hd), np, inv_freq, cache_.d_pos(), chunk_, stream_);
+  // §3.4.3-3.4.6 compressed branch
+  Fq4e4Rows cmp{};
+  bool have_sel = false;
+  if (r > 0) {
+    const int src = c_.kv_source_of(l);
+    if (c_.is_kv_source(l)) {
+      CompressorArgs ca;
+      ca.T = T, ca.ratio = r, ca.head_dim = static_cast<int>(hd), ca.idx_dim = c_.index_head_dim, ca.n_pairs = np;
+      ca.eps = c_.rms_eps;
+      if (r > 1) {
+        lin(L.comp_wkv, a_, D, T, Act::F32, kappa_, hd, false);
+        lin(L.comp_wgate, a_, D, T, Act::F32, gamma_, hd, false);
+        ca.kv = kappa_, ca.gate = gamma_;
+        ca.proj_kv = cache_.proj_kv(l), ca.proj_gate = cache_.proj_gate(l), ca.proj_cap = cache_.geometry().proj_cap(l);
+      } else {
+        lin(L.comp_wkv, a_, D, T, act_, comp_act_, hd, false);
+        ca.kv_act = comp_act_;
+      }
+      ca.norm = L.comp_norm, ca.inv_freq = m_.comp_inv_freq;
+      ca.wk = reinterpret_cast<const uint16_t*>(L.idx_wk.data), ca.k_norm = L.idx_k_norm;
+      ca.rows = cache_.compressed(l), ca.keys = cache_.keys(l), ca.d_pos = cache_.d_pos();
+      compressor_emit(act_, ca, stream_);
+      if (r > 1)
+        proj_store(kappa_, gamma_, T, static_cast<int>(hd), cache_.proj_kv(l), cache_.proj_gate(l),
+                   cache_.geometry().proj_cap(l), cache_.d_pos(), stream_);
+    }
+    if (c_.is_index_source(l)) {
+      const int64_t ih = c_.index_n_heads, ihd = c_.index_head_dim;
+      lin(L.idx_wq_b, q_lat_, ql, T, act_, idx_q_, ih * ihd, true);
+      rope_fq4e8(act_, idx_q_, idx_qf_, T, static_cast<int>(ih), static_cast<int>(ihd), np, m_.comp_inv_freq,
+                 cache_.d_pos(), stream_);
+      lin(L.idx_weights_proj, a_, D, T, act_, idx_w_, ih, false);
+      const bool is_cand = l == c_.candidate_source_layer;
+      const bool uses_cand = c_.candidate_source_layer >= 0 && c_.candidate_source_layer < l;
+      IndexerScoreArgs ia;
+      ia.T = T, ia.n_heads = static_cast<int>(ih), ia.head_dim = static_cast<int>(ihd), ia.ratio = r;
+      ia.q = idx_qf_, ia.w = idx_w_, ia.keys = cache_.keys(src);
+      ia.max_rows = cache_.geometry().row_capacity(src);
+      if (uses_cand) {
+        ia.cand_blocks = cand_, ia.cand_ld = c_.candidate_topk_blocks, ia.cand_count = cand_count_;
+        ia.cand_block_size = c_.candidate_block_size;
+        ia.max_rows = std::min<int64_t>(ia.max_rows, static_cast<int64_t>(c_.candidate_topk_blocks) * c_.candidate_block_size);
+      }
+      ia.scores = scores_, ia.ld = score_ld_, ia.counts = counts_, ia.d_pos = cache_.d_pos();
+      indexer_scores(act_, ia, stream_);
+      if (is_cand) {
+        block_scores(T, scores_, score_ld_, counts_, c_.candidate_block_size, bscores_, block_ld_, bcounts_,
+                     block_ld_, stream_);
+        topk_select(T, bscores_, block_ld_, bcounts_, c_.candidate_topk_blocks, nullptr, 0, 1, cand_,
+                    c_.candidate_topk_blocks, cand_count_, stream_);
+      }
+      topk_select(T, scores_, score_ld_, counts_, c_.index_topk, uses_cand ? cand_ : nullptr,
+                  uses_cand ? c_.candidate_topk_blocks : 0, uses_cand ? c_.candidate_block_size : 1, sel_,
+                  c_.index_topk, sel_count_, stream_);
+    }
+    cmp = cache_.compressed(src);
+    have_sel = true;
+  }
+  // §3.4.7 attention, with the inverse RoPE of §3.4.8 fused
+  AttnArgs aa;
+  aa.T = T, aa.n_heads = static_cast<int>(H), aa.head_dim = static_cast<int>(hd), aa.window = c_.window;
+  aa.q = q_, aa.ring = cache_.window(l), aa.ring_cap = cache_.geometry().window_cap(), aa.chunk = chunk_;
+  if (have_sel) {
+    aa.cmp = cmp;
+    aa.sel = sel_, aa.sel_ld = c_.index_topk, aa.sel_count = sel_count_, aa.max_sel = c_.index_topk;
+  }
+  aa.sink = L.attn_sink;
+  aa.scale = static_cast<float>(std::pow(static_cast<double>(hd), -0.5));
+  aa.n_pairs = np, aa.inv_freq = inv_freq;
+  aa.out = o_, aa.d_pos = cache_.d_pos();
+  if (T == 1) {
+    aa.n_splits = attn_splits_;
+    aa.work = attn_work_;
+  }
+  sparse_attention(act_, aa, stream_);
+  window_store(chunk_, T, cache_.window(l), cache_.geometry().window_cap(), cache_.d_pos(), stream_);
+  // §3.4.8 grouped output projection, then wo_b
+  lin(L.wo_a, o_, H * hd, T, act_, zeta_, G * ol, false, static_cast<int>(G));
+  lin(L.wo_b, zeta_, G * ol, T, act_, y_, D, true);
+}
+
+// §3.5 mixture of experts.
+void CudaSession::moe(int l, int T) {
+  const DevLayer& L = m_.layers[static_cast<size_t>(l)];
+  const int64_t D = c_.hidden;
+  const int K = c_.n_experts_per_tok;
+  RouterOpts ro;
+  ro.gate_temp = c_.gate_temp;
+  ro.norm_topk_prob = c_.norm_topk_prob;
+  ro.route_scale = c_.routed_scaling;
+  router(act_, f_, D, T, L.gate, L.gate_bias, K, ro, router_logits_, route_ids_, route_w_, stream_);
+  if (T <= kGemvMaxT) {
+    moe_decode(L.moe, act_, f_, D, T, K, route_ids_, route_w_, act_, y_, D, moe_ws_, moe_ws_bytes_, stream_);
+  } else {
+    moe_prefill(L.moe, act_, f_, D, T, K, route_ids_, route_w_, act_, y_, D, moe_ws_, moe_ws_bytes_, stream_);
+  }
+}
+
+void CudaSession::step(const int32_t* ids, int T, bool all_rows) {
+  for (int t = 0; t < T; ++t)
+    if (ids[t] < 0 || ids[t] >= c_.vocab_size)
+      fail("token id ", ids[t], " at position ", pos_ + t, " is outside the vocabulary (", c_.vocab_size, ")");
+  if (pos_ + T > max_ctx_)
+    fail("context of ", pos_ + T, " tokens exceeds this session's capacity of ", max_ctx_, " (EngineOptions::max_context)");
+  DSX_CUDA_CHECK(cudaMemcpyAsync(d_ids_, ids, static_cast<size_t>(T) * 4, cudaMemcpyHostToDevice, stream_));
+  stage_engram(ids, T);
+  if (T == 1 && !all_rows) {
+    // Decode: the first steps run eagerly (kernels set their launch attributes), then
+    // the step is captured once as a CUDA graph and replayed.
+    if (!graph_ && decode_steps_ >= 1) {
+      cudaGraph_t g = nullptr;
+      DSX_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+      try {
+        forward(1, false);
+      } catch (...) {
+        cudaStreamEndCapture(stream_, &g);
+        if (g) cudaGraphDestroy(g);
+        throw;
+      }
+      DSX_CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
+      DSX_CUDA_CHECK(cudaGraphInstantiate(&graph_, g, 0));
+      DSX_CUDA_CHECK(cudaGraphDestroy(g));
+    }
+    if (graph_) {
+      DSX_CUDA_CHECK(cudaGraphLaunch(graph_, stream_));
+    } else {
+      forward(1, false);
+    }
+    ++decode_steps_;
+  } else {
+    forward(T, all_rows);
+  }
+  pos_ += T;
+  tokens_.insert(tokens_.end(), ids, ids + T);
+}
+
+void CudaSession::feed(const int32_t* ids, int64_t n, float* logits, bool all_rows) {
+  DSX_CHECK(n > 0, "feed: no tokens");
+  const int64_t V = c_.vocab_size;
+  for (int64_t p = 0; p < n; p += tmax_) {
+    const int T = static_cast<int>(std::min<int64_t>(tmax_, n - p));
+    const bool last = p + T == n;
+    step(ids + p, T, all_rows);
+    if (all_rows) {
+      DSX_CUDA_CHECK(cudaMemcpyAsync(logits + p * V, logits_, static_cast<size_t>(T * V) * 4, cudaMemcpyDeviceToHost, stream_));
+    } else if (last) {
+      DSX_CUDA_CHECK(cudaMemcpyAsync(logits, logits_, static_cast<size_t>(V) * 4, cudaMemcpyDeviceToHost, stream_));
+    }
+  }
+  DSX_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+std::vector<uint8_t> CudaSession::save() const {
+  DSX_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  KVState st = make_kv_state(c_, cache_.geometry().rollback_depth, m_.fingerprint);
+  cache_.download(st, stream_);
+  st.tokens = tokens_;
+  st.pos = pos_;
+  return st.save();
+}
+
+void CudaSession::restore(const std::vector<uint8_t>& snap) {
+  KVState st = make_kv_state(c_, cache_.geometry().rollback_depth, m_.fingerprint);
+  st.restore(snap.data(), snap.size());
+  if (st.pos > max_ctx_) fail("snapshot of ", st.pos, " tokens exceeds this session's capacity of ", max_ctx_);
+  DSX_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  cache_.upload(st, stream_);
+  pos_ = st.pos;
+  tokens_ = st.tokens;
+}
+
+void CudaSession::rollback(int64_t p) {
+  const int depth = cache_.geometry().rollback_depth;
+  if (p > pos_ || p < 0 || pos_ - p > depth)
+    fail("cannot roll back from position ", pos_, " to ", p, " (at most ", depth, " tokens)");
+  DSX_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  cache_.set_position(p, stream_);
+  pos_ = p;
+  tokens_.resize(static_cast<size_t>(p));
+}
+
+// ---------------------------------------------------------------------------
+class CudaEngine : public Engine {
+ public:
+  CudaEngine(std::unique_ptr<DeviceModel> m, EngineOptions o) : m_(std::move(m)), o_(std::move(o)) {}
+  const ModelConfig& config() const override { return m_->cfg; }
+  std::unique_ptr<Session> new_session() override { return std::make_unique<CudaSession>(*m_, o_); }
+  std::string describe() const override {
+    cudaDeviceProp p{};
+    int dev = 0;
+    cudaGetDevice(&dev);
+    cudaGetDeviceProperties(&p, dev);
+    return cat("cuda ", p.name, ", ", act_name(m_->act), " activations, weights ", m_->weight_bytes / 1e9, " GB");
+  }
+  const DeviceModel& model() const { return *m_; }
+  const EngineOptions& options() const { return o_; }
+
+ private:
+  std::unique_ptr<DeviceModel> m_;
+  EngineOptions o_;
+};
+
+Act parse_precision(const std::string& p) {
+  if (p == "fp32") return Act::F32;
+  if (p == "bf16") return Act::BF16;
+  fail("unknown precision '", p, "' (fp32 or bf16)");
+}
+
+struct Registration {
+  Registration() {
+    register_engine_backend("cuda", [](const std::string& dir, const EngineOptions& o) { return load_cuda_engine(dir, o); });
+  }
+} registration;
+
+}  // namespace
+
+std::unique_ptr<Engine> load_cuda_engine(const std::string& dir, const EngineOptions& o) {
+  if (!device_available()) fail("backend cuda: no CUDA device is available");
+  const Act act = parse_precision(o.precision);
+  ModelConfig cfg = load_model_config(dir);
+  if (cfg.family != Family::V41) fail(dir, ": the CUDA backend runs V4.1 models only");
+  auto files = std::make_shared<ModelFiles>(dir);
+  ModelWeights w = bind_weights(cfg, files);
+  auto cmap = load_engram_token_map(dir, cfg);
+  return std::make_unique<CudaEngine>(DeviceModel::from_weights(cfg, w, act, std::move(cmap)), o);
+}
+
+std::unique_ptr<Engine> make_synthetic_cuda_engine(const ModelConfig& cfg, const EngineOptions& o, uint64_t seed) {
+  if (!device_available()) fail("backend cuda: no CUDA device is available");
+  return std::make_unique<CudaEngine>(DeviceModel::synthetic(cfg, parse_precision(o.precision), seed), o);
+}
+
+ModelConfig synthetic_v41_flash_config(int layers) {
+  DSX_CHECK(layers >= 1 && layers <= 40, "--layers must be in [1, 40]");
+  ModelConfig c;
+  c.family = Family::V41;
+  c.model_type = "deepseek_v41";
+  c.vocab_size = 129280;
+  c.hidden = 5120;
+  c.n_layers = layers;
+  c.n_heads = 64;
+  c.head_dim = 512;
+  c.rope_dim = 64;
+  c.q_lora_rank = 1280;
+  c.o_lora_rank = 1024;
+  c.o_groups = 8;
+  c.window = 128;
+  c.rms_eps = 1e-20f;
+  c.rope_theta = 10000;
+  c.compress_rope_theta = 160000;
+  c.yarn = {true, 16, 32, 1, 65536};
+  c.index_n_heads = 32;
+  c.index_head_dim = 128;
+  c.index_topk = 512;
+  c.candidate_topk_blocks = 2048;
+  c.candidate_block_size = 8;
+  c.moe_inter = 2304;
+  c.n_routed_experts = 384;
+  c.n_experts_per_tok = 6;
+  c.scoring_func = "sqrtsoftplus";
+  c.routed_scaling = 1.5f;
+  c.swiglu_limit = 10.0f;
+  c.hc_mult = 4;
+  c.hc_sinkhorn_iters = 20;
+  c.hc_eps = 1e-6f;
+  c.quant_block = 32;
+  // The release schedule in miniature: 0 window, 1 window + Engram, 2 ratio-2 KV
+  // source, 3 ratio-2 reuse, 4 ratio-1 KV + candidate source, 5 reuse, 6 re-index, 7..
+  // alternate reuse / re-index.
+  const int pattern[8] = {0, 0, 2, 2, 1, 1, 1, 1};
+  for (int l = 0; l < layers; ++l) c.compress_ratios.push_back(l < 8 ? pattern[l] : 1);
+  if (layers > 2) c.kv_source_layers.push_back(2), c.index_source_layers.push_back(2);
+  if (layers > 4) c.kv_source_layers.push_back(4), c.index_source_layers.push_back(4), c.candidate_source_layer = 4;
+  for (int l = 6; l < layers; l += 2) c.index_source_layers.push_back(l);
+  if (layers > 1) {
+    c.engram_layers = {1};
+    c.engram_num_embeddings = {384006168};
+    c.engram_max_ngram = 4;
+    c.engram_vocab_size = 16000000;
+    c.engram_n_heads = 8;
+    c.engram_head_dim = 256;
+    c.engram_pad_id = 2;
+    c.engram_compressed_vocab = 99092;
+  }
+  return c;
+}
+
+CudaEngineStats cuda_engine_stats(Engine& e) {
+  auto* ce = dynamic_cast<CudaEngine*>(&e);
+  DSX_CHECK(ce, "cuda_engine_stats: not a CUDA engine");
+  CudaEngineStats s;
+  s.weight_bytes = ce->model().weight_bytes;
+  s.decode_weight_bytes = ce->model().decode_weight_bytes;
+  // device-to-device copy bandwidth (read + write counted once each)
+  const size_t n = size_t{1} << 30;
+  DeviceBuffer a(n), b(n);
+  cudaEvent_t e0, e1;
+  DSX_CUDA_CHECK(cudaEventCreate(&e0));
+  DSX_CUDA_CHECK(cudaEventCreate(&e1));
+  DSX_CUDA_CHECK(cudaMemcpy(b.get(), a.get(), n, cudaMemcpyDeviceToDevice));
+  float best = 1e30f;
+  for (int i = 0; i < 10; ++i) {
+    DSX_CUDA_CHECK(cudaEventRecord(e0));
+    DSX_CUDA_CHECK(cudaMemcpyAsync(b.get(), a.get(), n, cudaMemcpyDeviceToDevice));
+    DSX_CUDA_CHECK(cudaEventRecord(e1));
+    DSX_CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    DSX_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    best = std::min(best, ms);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  s.copy_bandwidth_gb_s = 2.0 * n / (best * 1e-3) / 1e9;
+  return s;
+}
+
+int64_t v41_decode_weight_bytes(const ModelConfig& c) {
+  const int64_t D = c.hidden, M = c.hc_mult, H = c.n_heads, hd = c.head_dim, ql = c.q_lora_rank;
+  const int64_t G = c.o_groups, ol = c.o_lora_rank, I = c.moe_inter, B = c.quant_block;
+  auto fp8 = [&](int64_t n, int64_t k) { return n * k + ((n + B - 1) / B) * ((k + B - 1) / B); };
+  auto fp4 = [&](int64_t n, int64_t k) { return n * k / 2 + n * (k / 32); };
+  int64_t b = c.vocab_size * D * 2 + D * 2;  // head (bf16) + one embedding row
+  for (int l = 0; l < c.n_layers; ++l) {
+    b += 2 * static_cast<int64_t>(c.hc_mix_dim()) * M * D * 4;
+    b += fp8(ql, D) + fp8(H * hd, ql) + fp8(hd, D) + fp8(G * ol, H * hd / G) + fp8(D, G * ol);
+    if (c.is_kv_source(l)) b += (c.ratio(l) > 1 ? 2 : 1) * hd * D * 2 + c.index_head_dim * hd * 2;
+    if (c.is_index_source(l)) b += fp8(static_cast<int64_t>(c.index_n_heads) * c.index_head_dim, ql) + c.index_n_heads * D * 2;
+    b += c.n_routed_experts * D * 2;                              // router gate (bf16)
+    b += 2 * fp8(I, D) + fp8(D, I);                               // shared expert
+    b += c.n_experts_per_tok * (2 * fp4(I, D) + fp4(D, I));       // routed experts
+    if (c.is_engram_layer(l)) {
+      const int64_t nc = static_cast<int64_t>(c.engram_max_ngram - 1) * c.engram_n_heads, ed = c.engram_head_dim;
+      b += fp8((M + 1) * D, nc * ed) + nc * (ed + ed / 32);
+    }
+  }
+  return b;
+}
+
+int64_t cuda_decode_state_bytes(const ModelConfig& c, int64_t ctx) {
+  int64_t b = 0;
+  const int64_t hd = c.head_dim, ihd = c.index_head_dim;
+  const int64_t win_row = hd + hd / 32, cmp_row = hd / 2 + hd / 16, key_row = ihd / 2 + ihd / 32;
+  for (int l = 0; l < c.n_layers; ++l) {
+    b += std::min<int64_t>(ctx, c.window) * win_row;
+    const int r = c.ratio(l);
+    if (r == 0) continue;
+    const int64_t n = ctx / r;
+    b += std::min<int64_t>(n, c.index_topk) * cmp_row;
+    if (c.is_index_source(l)) {
+      const bool restricted = c.candidate_source_layer >= 0 && c.candidate_source_layer < l;
+      b += (restricted ? std::min<int64_t>(n, static_cast<int64_t>(c.candidate_topk_blocks) * c.candidate_block_size) : n) * key_row;
+    }
+  }
+  return b;
+}
+
+}  // namespace dsx

@@ -1,0 +1,632 @@
+#include "kernels/cuda/attention.h"
+
+#include <type_traits>
+
+#include "kernels/cuda/cuda_util.h"
+#include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/elementwise_dev.cuh"
+#include "util/error.h"
+
+namespace dsx::cuda {
+
+using namespace dev;
+
+namespace {
+
+constexpr int kC = 32;  // rows per chunk (one per lane in the logit phase)
+
+struct AttnParams {
+  int H, W, ring_cap, n_pairs;
+  const void* q;
+  const uint8_t *ring_codes, *ring_scales, *chunk_codes, *chunk_scales, *cmp_packed, *cmp_scales;
+  const int32_t* sel;
+  int64_t sel_ld;
+  const int32_t* sel_count;
+  const float* sink;
+  float scale;
+  const float* inv_freq;
+  void* out;
+  const int64_t* d_pos;
+  float* work;
+};
+
+template <int HD, int HB>
+constexpr size_t attn_smem_bytes() {
+  return static_cast<size_t>(4) * HB * HD + static_cast<size_t>(2) * kC * (HD + 8) + static_cast<size_t>(4) * HB * kC;
+}
+
+template <int V>
+__device__ __forceinline__ void load_bf16(const bf16* p, float* out) {
+  if constexpr (V == 8) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      out[2 * i] = __uint_as_float(w[i] << 16);
+      out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  } else if constexpr (V == 4) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    out[0] = __uint_as_float(u.x << 16);
+    out[1] = __uint_as_float(u.x & 0xffff0000u);
+    out[2] = __uint_as_float(u.y << 16);
+    out[3] = __uint_as_float(u.y & 0xffff0000u);
+  } else {
+    static_assert(V == 2, "vector width");
+    const uint32_t u = *reinterpret_cast<const uint32_t*>(p);
+    out[0] = __uint_as_float(u << 16);
+    out[1] = __uint_as_float(u & 0xffff0000u);
+  }
+}
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float a, float b) {
+  // a, b are exactly representable in bf16 (cache values): truncation is exact
+  return (__float_as_uint(a) >> 16) | (__float_as_uint(b) & 0xffff0000u);
+}
+
+// Decodes list entries c0 .. c0+nr-1 of query t (window rows, then selected compressed
+// rows) into kv_s (bf16, exact; row stride ks elements). With zero_tail, rows nr .. kC-1
+// are zero-filled (the tensor-core kernel multiplies them by zero probabilities).
+template <int HD, int NT>
+__device__ __forceinline__ void decode_rows(const AttnParams& p, int t, int c0, int nr, int nw, int64_t lo_w,
+                                            int64_t p0, bf16* kv_s, int ks, bool zero_tail) {
+  const int limit = zero_tail ? kC : nr;
+  for (int g = threadIdx.x; g < limit * (HD / 8); g += NT) {
+    const int r = g / (HD / 8), e8 = g - r * (HD / 8);
+    uint4 u = make_uint4(0u, 0u, 0u, 0u);
+    if (r < nr) {
+      const int li = c0 + r;
+      float v[8];
+      if (li < nw) {
+        const int64_t wp = lo_w + li;
+        const uint8_t *codes, *scales;
+        if (wp >= p0) {
+          codes = p.chunk_codes + (wp - p0) * HD;
+          scales = p.chunk_scales + (wp - p0) * (HD / 32);
+        } else {
+          const int64_t slot = wp % p.ring_cap;
+          codes = p.ring_codes + slot * HD;
+          scales = p.ring_scales + slot * (HD / 32);
+        }
+        const uint2 c = *reinterpret_cast<const uint2*>(codes + e8 * 8);
+        const float s = e8m0_dev(scales[e8 / 4]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          v[i] = e4m3_dev((c.x >> (8 * i)) & 255u) * s;
+          v[4 + i] = e4m3_dev((c.y >> (8 * i)) & 255u) * s;
+        }
+      } else {
+        const int64_t j = p.sel[static_cast<int64_t>(t) * p.sel_ld + (li - nw)];
+        const uint32_t pk = *reinterpret_cast<const uint32_t*>(p.cmp_packed + j * (HD / 2) + e8 * 4);
+        const float s = e4m3_dev(p.cmp_scales[j * (HD / 16) + e8 / 2]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = e2m1_dev((pk >> (4 * i)) & 15u) * s;
+      }
+      u.x = pack_bf16x2(v[0], v[1]);
+      u.y = pack_bf16x2(v[2], v[3]);
+      u.z = pack_bf16x2(v[4], v[5]);
+      u.w = pack_bf16x2(v[6], v[7]);
+    }
+    *reinterpret_cast<uint4*>(kv_s + r * ks + e8 * 8) = u;
+  }
+}
+
+template <typename T, int HD, int HB>
+__global__ void __launch_bounds__(HB * 16) attn_kernel(AttnParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  constexpr int NT = HB * 16;
+  constexpr int KS = HD + 8;  // shared row stride (elements): 16 B of padding per row
+  constexpr int DPL = HD / 32, V = DPL < 8 ? DPL : 8, G = DPL / V;
+  constexpr bool kBf16 = !std::is_same<T, float>::value;
+  float* q_s = reinterpret_cast<float*>(smem);
+  bf16* kv_s = reinterpret_cast<bf16*>(smem + static_cast<size_t>(4) * HB * HD);
+  float* p_s = reinterpret_cast<float*>(smem + static_cast<size_t>(4) * HB * HD + static_cast<size_t>(2) * kC * KS);
+
+  const int t = blockIdx.z, hg = blockIdx.y, split = blockIdx.x, S = gridDim.x;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int64_t p0 = *p.d_pos, pos = p0 + t;
+  const int64_t lo_w = pos - p.W + 1 > 0 ? pos - p.W + 1 : 0;
+  const int nw = static_cast<int>(pos - lo_w + 1);
+  const int ns = p.sel ? p.sel_count[t] : 0;
+  const int N = nw + ns;
+  const int R = (N + S - 1) / S;
+  const int rb = split * R, re = min(N, rb + R);
+
+  const T* qg = static_cast<const T*>(p.q) + (static_cast<int64_t>(t) * p.H + hg * HB) * HD;
+  for (int i = tid; i < HB * HD; i += NT) q_s[i] = ld(qg, i);
+
+  const int ha = 2 * warp, hb = 2 * warp + 1;  // local heads of this warp
+  float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.0f, l_b = 0.0f;
+  float acc_a[DPL], acc_b[DPL];
+#pragma unroll
+  for (int i = 0; i < DPL; ++i) acc_a[i] = acc_b[i] = 0.0f;
+
+  for (int c0 = rb; c0 < re; c0 += kC) {
+    const int nr = min(kC, re - c0);
+    __syncthreads();  // q_s written / previous chunk consumed
+    decode_rows<HD, NT>(p, t, c0, nr, nw, lo_w, p0, kv_s, KS, false);
+    __syncthreads();
+
+    // logits: lane = row of the chunk, two heads per warp
+    float la = -INFINITY, lb = -INFINITY;
+    if (lane < nr) {
+      float sa = 0.0f, sb = 0.0f;
+      const bf16* kr = kv_s + lane * KS;
+      const float* qa = q_s + ha * HD;
+      const float* qb = q_s + hb * HD;
+#pragma unroll 4
+      for (int d = 0; d < HD; d += 8) {
+        float k8[8];
+        load_bf16<8>(kr + d, k8);
+        const float4 a0 = *reinterpret_cast<const float4*>(qa + d);
+        const float4 a1 = *reinterpret_cast<const float4*>(qa + d + 4);
+        const float4 b0 = *reinterpret_cast<const float4*>(qb + d);
+        const float4 b1 = *reinterpret_cast<const float4*>(qb + d + 4);
+        sa = fmaf(a0.x, k8[0], sa);
+        sa = fmaf(a0.y, k8[1], sa);
+        sa = fmaf(a0.z, k8[2], sa);
+        sa = fmaf(a0.w, k8[3], sa);
+        sa = fmaf(a1.x, k8[4], sa);
+        sa = fmaf(a1.y, k8[5], sa);
+        sa = fmaf(a1.z, k8[6], sa);
+        sa = fmaf(a1.w, k8[7], sa);
+        sb = fmaf(b0.x, k8[0], sb);
+        sb = fmaf(b0.y, k8[1], sb);
+        sb = fmaf(b0.z, k8[2], sb);
+        sb = fmaf(b0.w, k8[3], sb);
+        sb = fmaf(b1.x, k8[4], sb);
+        sb = fmaf(b1.y, k8[5], sb);
+        sb = fmaf(b1.z, k8[6], sb);
+        sb = fmaf(b1.w, k8[7], sb);
+      }
+      la = sa * p.scale;
+      lb = sb * p.scale;
+    }
+    // online softmax (running max over the chunks of this block)
+    const float nma = fmaxf(m_a, warp_max(la)), nmb = fmaxf(m_b, warp_max(lb));
+    const float pa = lane < nr ? expf(la - nma) : 0.0f;
+    const float pb = lane < nr ? expf(lb - nmb) : 0.0f;
+    const float alpha_a = expf(m_a - nma), alpha_b = expf(m_b - nmb);
+    l_a = l_a * alpha_a + warp_sum(pa);
+    l_b = l_b * alpha_b + warp_sum(pb);
+    m_a = nma;
+    m_b = nmb;
+    p_s[ha * kC + lane] = kBf16 ? round_bf16_dev(pa) : pa;
+    p_s[hb * kC + lane] = kBf16 ? round_bf16_dev(pb) : pb;
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) {
+      acc_a[i] *= alpha_a;
+      acc_b[i] *= alpha_b;
+    }
+    for (int r = 0; r < nr; ++r) {
+      const float wa = p_s[ha * kC + r], wb = p_s[hb * kC + r];
+      const bf16* vr = kv_s + r * KS;
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        float vv[V];
+        load_bf16<V>(vr + g * 32 * V + lane * V, vv);
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          acc_a[g * V + e] = fmaf(wa, vv[e], acc_a[g * V + e]);
+          acc_b[g * V + e] = fmaf(wb, vv[e], acc_b[g * V + e]);
+        }
+      }
+    }
+  }
+
+  // ---- output
+  auto emit = [&](int hl, float m, float l, const float(&acc)[DPL]) {
+    const int h = hg * HB + hl;
+    if (S == 1) {
+      const float sink = p.sink[h];
+      const float M = fmaxf(m, sink);
+      const float f = expf(m - M);
+      const float den = l * f + expf(sink - M);
+      const float sc = f / den;
+      T* o = static_cast<T*>(p.out) + (static_cast<int64_t>(t) * p.H + h) * HD;
+      const int off = HD - 2 * p.n_pairs;
+      const float fpos = static_cast<float>(pos);
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        float val[V];
+#pragma unroll
+        for (int e = 0; e < V; ++e) val[e] = rnd<T>(acc[g * V + e] * sc);
+        const int d0 = g * 32 * V + lane * V;
+        if (p.inv_freq) {
+#pragma unroll
+          for (int e = 0; e < V; e += 2) {
+            const int d = d0 + e;
+            if (d >= off) {
+              float c, sn, ra, rb2;
+              rope_cs(fpos, p.inv_freq[(d - off) >> 1], c, sn);
+              rope_pair(val[e], val[e + 1], c, sn, true, ra, rb2);
+              val[e] = rnd<T>(ra);
+              val[e + 1] = rnd<T>(rb2);
+            }
+          }
+        }
+#pragma unroll
+        for (int e = 0; e < V; ++e) st(o, d0 + e, val[e]);
+      }
+    } else {
+      float* w = p.work + ((static_cast<int64_t>(t) * S + split) * p.H + h) * (HD + 2);
+      if (lane == 0) {
+        w[0] = m;
+        w[1] = l;
+      }
+#pragma unroll
+      for (int g = 0; g < G; ++g)
+#pragma unroll
+        for (int e = 0; e < V; ++e) w[2 + g * 32 * V + lane * V + e] = acc[g * V + e];
+    }
+  };
+  emit(ha, m_a, l_a, acc_a);
+  emit(hb, m_b, l_b, acc_b);
+}
+
+// ---- BF16 tensor-core variant (mma.sync m16n8k16, f32 accumulation) ------------------
+// One block = one query x 16 heads (one m16 tile), 4 warps. Per 32-row chunk:
+// S = Q K^T (warp w: key rows 8w..8w+7), online softmax per head (p rounded to bf16 for
+// the product, the denominator in f32), O += P V (warp w: dims [w HD/4, (w+1) HD/4)).
+// Same numerics as attn_kernel<bf16> up to f32 summation order.
+template <typename P>
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const P* ptr) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+template <typename P>
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const P* ptr) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
+template <int HD>
+constexpr size_t attn_mma_smem_bytes() {
+  return static_cast<size_t>(2) * 16 * (HD + 8) + static_cast<size_t>(2) * kC * (HD + 8) +
+         static_cast<size_t>(2) * 16 * (kC + 8) + static_cast<size_t>(4) * 16 * kC + static_cast<size_t>(4) * 3 * 16;
+}
+
+template <int HD>
+__global__ void __launch_bounds__(128) attn_mma_kernel(AttnParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  constexpr int QS = HD + 8;  // q_s / kv_s row stride (elements)
+  constexpr int PS = kC + 8;  // p_s row stride
+  constexpr int NTW = HD / 32;  // 8-dim output tiles per warp (HD / 4 dims)
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* q_s = reinterpret_cast<bf16*>(smem);
+  bf16* kv_s = q_s + 16 * QS;
+  bf16* p_s = kv_s + kC * QS;
+  float* s_s = reinterpret_cast<float*>(p_s + 16 * PS);
+  float* m_s = s_s + 16 * kC;
+  float* l_s = m_s + 16;
+  float* al_s = l_s + 16;
+
+  const int t = blockIdx.z, hg = blockIdx.y, split = blockIdx.x, S = gridDim.x;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gid = lane >> 2, tig = lane & 3;
+  const int64_t p0 = *p.d_pos, pos = p0 + t;
+  const int64_t lo_w = pos - p.W + 1 > 0 ? pos - p.W + 1 : 0;
+  const int nw = static_cast<int>(pos - lo_w + 1);
+  const int ns = p.sel ? p.sel_count[t] : 0;
+  const int N = nw + ns;
+  const int R = (N + S - 1) / S;
+  const int rb = split * R, re = min(N, rb + R);
+
+  const bf16* qg = static_cast<const bf16*>(p.q) + (static_cast<int64_t>(t) * p.H + hg * 16) * HD;
+  for (int i = tid; i < 16 * (HD / 8); i += 128) {
+    const int h = i / (HD / 8), c = i - h * (HD / 8);
+    *reinterpret_cast<uint4*>(q_s + h * QS + c * 8) = *reinterpret_cast<const uint4*>(qg + h * HD + c * 8);
+  }
+  if (tid < 16) {
+    m_s[tid] = -INFINITY;
+    l_s[tid] = 0.0f;
+  }
+  float acc[NTW][4];
+#pragma unroll
+  for (int j = 0; j < NTW; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+
+  for (int c0 = rb; c0 < re; c0 += kC) {
+    const int nr = min(kC, re - c0);
+    __syncthreads();
+    decode_rows<HD, 128>(p, t, c0, nr, nw, lo_w, p0, kv_s, QS, true);
+    __syncthreads();
+    // S tile of this warp: 16 heads x key rows 8w .. 8w+7
+    float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
+    for (int k0 = 0; k0 < HD; k0 += 32) {
+      uint32_t a[4], a2[4], b[4];
+      ldsm_x4(a, q_s + (lane & 15) * QS + k0 + (lane >> 4) * 8);
+      ldsm_x4(a2, q_s + (lane & 15) * QS + k0 + 16 + (lane >> 4) * 8);
+      ldsm_x4(b, kv_s + (8 * warp + (lane & 7)) * QS + k0 + (lane >> 3) * 8);
+      asm volatile(
+          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+          "{%0, %1, %2, %3};\n"
+          : "+f"(sc[0]), "+f"(sc[1]), "+f"(sc[2]), "+f"(sc[3])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+      asm volatile(
+          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+          "{%0, %1, %2, %3};\n"
+          : "+f"(sc[0]), "+f"(sc[1]), "+f"(sc[2]), "+f"(sc[3])
+          : "r"(a2[0]), "r"(a2[1]), "r"(a2[2]), "r"(a2[3]), "r"(b[2]), "r"(b[3]));
+    }
+    {
+      const int r0 = 8 * warp + 2 * tig;
+      s_s[gid * kC + r0] = r0 < nr ? sc[0] * p.scale : -INFINITY;
+      s_s[gid * kC + r0 + 1] = r0 + 1 < nr ? sc[1] * p.scale : -INFINITY;
+      s_s[(gid + 8) * kC + r0] = r0 < nr ? sc[2] * p.scale : -INFINITY;
+      s_s[(gid + 8) * kC + r0 + 1] = r0 + 1 < nr ? sc[3] * p.scale : -INFINITY;
+    }
+    __syncthreads();
+    // online softmax: head h = tid / 8, rows 4 * (tid % 8) .. + 3
+    {
+      const int h = tid >> 3, sub = tid & 7;
+      float v[4];
+      float mx = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        v[i] = s_s[h * kC + sub * 4 + i];
+        mx = fmaxf(mx, v[i]);
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+      const float m_old = m_s[h];
+      const float m_new = fmaxf(m_old, mx);
+      float ps = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float pv = sub * 4 + i < nr ? expf(v[i] - m_new) : 0.0f;
+        ps += pv;
+        p_s[h * PS + sub * 4 + i] = __float2bfloat16_rn(pv);
+      }
+      ps += __shfl_xor_sync(0xffffffffu, ps, 1);
+      ps += __shfl_xor_sync(0xffffffffu, ps, 2);
+      ps += __shfl_xor_sync(0xffffffffu, ps, 4);
+      const float alpha = expf(m_old - m_new);
+      if (sub == 0) {
+        m_s[h] = m_new;
+        l_s[h] = l_s[h] * alpha + ps;
+        al_s[h] = alpha;
+      }
+    }
+    __syncthreads();
+    // O += P V on this warp's dims
+    {
+      const float al0 = al_s[gid], al1 = al_s[gid + 8];
+#pragma unroll
+      for (int j = 0; j < NTW; ++j) {
+        acc[j][0] *= al0;
+        acc[j][1] *= al0;
+        acc[j][2] *= al1;
+        acc[j][3] *= al1;
+      }
+#pragma unroll
+      for (int k0 = 0; k0 < kC; k0 += 16) {
+        uint32_t a[4];
+        ldsm_x4(a, p_s + (lane & 15) * PS + k0 + (lane >> 4) * 8);
+#pragma unroll
+        for (int j = 0; j < NTW; j += 2) {
+          const int n0 = warp * (HD / 4) + j * 8;
+          uint32_t b[4];
+          ldsm_x4_trans(b, kv_s + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * QS + n0 + (lane >> 4) * 8);
+          asm volatile(
+              "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+              "{%0, %1, %2, %3};\n"
+              : "+f"(acc[j][0]), "+f"(acc[j][1]), "+f"(acc[j][2]), "+f"(acc[j][3])
+              : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+          asm volatile(
+              "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+              "{%0, %1, %2, %3};\n"
+              : "+f"(acc[j + 1][0]), "+f"(acc[j + 1][1]), "+f"(acc[j + 1][2]), "+f"(acc[j + 1][3])
+              : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[2]), "r"(b[3]));
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  // ---- output: acc[j][0..1] -> head gid, acc[j][2..3] -> head gid + 8; dims n0 + 2 tig + {0, 1}
+#pragma unroll
+  for (int which = 0; which < 2; ++which) {
+    const int hl = gid + 8 * which;
+    const int h = hg * 16 + hl;
+    const float m = m_s[hl], l = l_s[hl];
+    if (S == 1) {
+      const float sink = p.sink[h];
+      const float M = fmaxf(m, sink);
+      const float f = expf(m - M);
+      const float den = l * f + expf(sink - M);
+      const float scl = f / den;
+      bf16* o = static_cast<bf16*>(p.out) + (static_cast<int64_t>(t) * p.H + h) * HD;
+      const int off = HD - 2 * p.n_pairs;
+      const float fpos = static_cast<float>(pos);
+#pragma unroll
+      for (int j = 0; j < NTW; ++j) {
+        const int d = warp * (HD / 4) + j * 8 + 2 * tig;
+        float v0 = round_bf16_dev(acc[j][2 * which] * scl), v1 = round_bf16_dev(acc[j][2 * which + 1] * scl);
+        if (p.inv_freq && d >= off) {
+          float c, sn, ra, rb2;
+          rope_cs(fpos, p.inv_freq[(d - off) >> 1], c, sn);
+          rope_pair(v0, v1, c, sn, true, ra, rb2);
+          v0 = round_bf16_dev(ra);
+          v1 = round_bf16_dev(rb2);
+        }
+        o[d] = __float2bfloat16_rn(v0);
+        o[d + 1] = __float2bfloat16_rn(v1);
+      }
+    } else {
+      float* w = p.work + ((static_cast<int64_t>(t) * S + split) * p.H + h) * (HD + 2);
+      if (warp == 0 && tig == 0) {
+        w[0] = m;
+        w[1] = l;
+      }
+#pragma unroll
+      for (int j = 0; j < NTW; ++j) {
+        const int d = warp * (HD / 4) + j * 8 + 2 * tig;
+        w[2 + d] = acc[j][2 * which];
+        w[2 + d + 1] = acc[j][2 * which + 1];
+      }
+    }
+  }
+#else
+  __trap();
+#endif
+}
+
+// Combine of the row splits: one block per (head, query), one thread per dim.
+template <typename T, int HD>
+__global__ void __launch_bounds__(HD) attn_combine_kernel(int H, int S, const float* __restrict__ work,
+                                                          const float* __restrict__ sink_arr, int n_pairs,
+                                                          const float* __restrict__ inv_freq, T* __restrict__ out,
+                                                          const int64_t* __restrict__ d_pos) {
+  const int h = blockIdx.x, t = blockIdx.y, d = threadIdx.x;
+  const float sink = sink_arr[h];
+  const float* w0 = work + (static_cast<int64_t>(t) * S * H + h) * (HD + 2);
+  const int64_t sstride = static_cast<int64_t>(H) * (HD + 2);
+  float M = sink;
+  for (int s = 0; s < S; ++s) M = fmaxf(M, w0[s * sstride]);
+  float den = expf(sink - M), o = 0.0f;
+  for (int s = 0; s < S; ++s) {
+    const float* w = w0 + s * sstride;
+    const float f = expf(w[0] - M);
+    den = fmaf(w[1], f, den);
+    o = fmaf(w[2 + d], f, o);
+  }
+  float v = rnd<T>(o / den);
+  if (inv_freq) {
+    const float pos = static_cast<float>(*d_pos + t);
+    v = rnd<T>(rope_lane(v, d, HD, n_pairs, pos, inv_freq, true));
+  }
+  st(out, (static_cast<int64_t>(t) * H + h) * HD + d, v);
+}
+
+template <typename T, int HD, int HB>
+void launch_attn(const AttnArgs& a, const AttnParams& prm, cudaStream_t stream) {
+  constexpr size_t smem = attn_smem_bytes<HD, HB>();
+  static bool configured = false;  // per instantiation
+  if (!configured) {
+    DSX_CUDA_CHECK(cudaFuncSetAttribute(attn_kernel<T, HD, HB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem)));
+    configured = true;
+  }
+  dim3 grid(a.n_splits, a.n_heads / HB, a.T);
+  attn_kernel<T, HD, HB><<<grid, HB * 16, smem, stream>>>(prm);
+  check_launch("sparse_attention");
+  if (a.n_splits > 1) {
+    attn_combine_kernel<T, HD><<<dim3(a.n_heads, a.T), HD, 0, stream>>>(
+        a.n_heads, a.n_splits, a.work, a.sink, a.n_pairs, a.inv_freq, static_cast<T*>(a.out), a.d_pos);
+    check_launch("sparse_attention combine");
+  }
+}
+
+// The tensor-core kernel needs sm_80+ device code in the build.
+bool mma_available() {
+  static int cached = -1;
+  if (cached < 0) {
+    int dev = 0, major = 0;
+    cudaFuncAttributes fa{};
+    cached = cudaGetDevice(&dev) == cudaSuccess &&
+                     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+                     major >= 8 && cudaFuncGetAttributes(&fa, attn_mma_kernel<512>) == cudaSuccess &&
+                     fa.ptxVersion >= 80
+                 ? 1
+                 : 0;
+    cudaGetLastError();
+  }
+  return cached == 1;
+}
+
+template <int HD>
+void launch_mma(const AttnArgs& a, const AttnParams& prm, cudaStream_t stream) {
+  constexpr size_t smem = attn_mma_smem_bytes<HD>();
+  static bool configured = false;
+  if (!configured) {
+    DSX_CUDA_CHECK(cudaFuncSetAttribute(attn_mma_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem)));
+    configured = true;
+  }
+  dim3 grid(a.n_splits, a.n_heads / 16, a.T);
+  attn_mma_kernel<HD><<<grid, 128, smem, stream>>>(prm);
+  check_launch("sparse_attention (tensor cores)");
+  if (a.n_splits > 1) {
+    attn_combine_kernel<bf16, HD><<<dim3(a.n_heads, a.T), HD, 0, stream>>>(
+        a.n_heads, a.n_splits, a.work, a.sink, a.n_pairs, a.inv_freq, static_cast<bf16*>(a.out), a.d_pos);
+    check_launch("sparse_attention combine");
+  }
+}
+
+template <typename T, int HD>
+void dispatch_hb(const AttnArgs& a, const AttnParams& prm, cudaStream_t stream) {
+  if constexpr (std::is_same<T, bf16>::value && HD % 64 == 0) {
+    if (a.tensor_cores && a.n_heads % 16 == 0 && mma_available()) {
+      launch_mma<HD>(a, prm, stream);
+      return;
+    }
+  }
+  if (a.n_heads % 16 == 0) launch_attn<T, HD, 16>(a, prm, stream);
+  else if (a.n_heads == 8) launch_attn<T, HD, 8>(a, prm, stream);
+  else if (a.n_heads == 4) launch_attn<T, HD, 4>(a, prm, stream);
+  else if (a.n_heads == 2) launch_attn<T, HD, 2>(a, prm, stream);
+  else fail("sparse_attention: unsupported head count ", a.n_heads);
+}
+
+template <typename T>
+void dispatch_hd(const AttnArgs& a, const AttnParams& prm, cudaStream_t stream) {
+  switch (a.head_dim) {
+    case 64: dispatch_hb<T, 64>(a, prm, stream); break;
+    case 128: dispatch_hb<T, 128>(a, prm, stream); break;
+    case 256: dispatch_hb<T, 256>(a, prm, stream); break;
+    case 512: dispatch_hb<T, 512>(a, prm, stream); break;
+    default: fail("sparse_attention: unsupported head dim ", a.head_dim, " (64, 128, 256, 512)");
+  }
+}
+
+}  // namespace
+
+bool attention_tensor_cores_available() { return mma_available(); }
+
+size_t attention_work_floats(int T, int n_heads, int head_dim, int n_splits) {
+  return n_splits > 1 ? static_cast<size_t>(T) * n_splits * n_heads * (head_dim + 2) : 0;
+}
+
+int attention_decode_splits(int window, int max_sel) {
+  const int s = (window + max_sel + kC - 1) / kC;
+  return s < 1 ? 1 : s;
+}
+
+void sparse_attention(Act act, const AttnArgs& a, cudaStream_t stream) {
+  if (a.T <= 0) return;
+  DSX_CHECK(a.n_splits >= 1 && (a.n_splits == 1 || a.work), "sparse_attention: splitting needs a workspace");
+  DSX_CHECK(a.ring.dim == a.head_dim && a.chunk.dim == a.head_dim, "sparse_attention: window row width");
+  DSX_CHECK(!a.sel || (a.cmp.packed && a.cmp.dim == a.head_dim && a.sel_count), "sparse_attention: compressed rows");
+  DSX_CHECK(a.window >= 1 && a.ring_cap >= a.window, "sparse_attention: window");
+  DSX_CHECK(!a.inv_freq || (a.n_pairs > 0 && 2 * a.n_pairs <= a.head_dim), "sparse_attention: rope pairs");
+  AttnParams prm{};
+  prm.H = a.n_heads;
+  prm.W = a.window;
+  prm.ring_cap = a.ring_cap;
+  prm.n_pairs = a.n_pairs;
+  prm.q = a.q;
+  prm.ring_codes = a.ring.codes;
+  prm.ring_scales = a.ring.scales;
+  prm.chunk_codes = a.chunk.codes;
+  prm.chunk_scales = a.chunk.scales;
+  prm.cmp_packed = a.cmp.packed;
+  prm.cmp_scales = a.cmp.scales;
+  prm.sel = a.sel;
+  prm.sel_ld = a.sel_ld;
+  prm.sel_count = a.sel_count;
+  prm.sink = a.sink;
+  prm.scale = a.scale;
+  prm.inv_freq = a.inv_freq;
+  prm.out = a.out;
+  prm.d_pos = a.d_pos;
+  prm.work = a.work;
+  DSX_DISPATCH_ACT(act, T, dispatch_hd<T>(a, prm, stream));
+}
+
+}  // namespace dsx::cuda

@@ -1,0 +1,45 @@
+// Decode GEMV / small-T GEMM on the GPU against weights in their stored formats
+// (spec model-v41.md §2.2, §3.0.4): y[t, n] = sum_k x'[t, k] * W[n, k] for t < T,
+// with x' = QA8(x) (fake-quantized, fused in the kernel's prologue) for FP8_BLOCK and
+// MXFP4 weights when opts.qa8, else x' = x. The weight bytes are streamed once per
+// pass of up to 16 tokens (more tokens: several passes; use gemm.h for prefill).
+// f32 accumulation; the output is written as yt (bf16: rounded once, RNE).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/cuda/quant_act.h"
+#include "kernels/qmatrix.h"
+
+namespace dsx::cuda {
+
+struct GemvOpts {
+  // QA8 of the activation (FP8_BLOCK / MXFP4 weights only; ignored for F32 / BF16).
+  // false for wo_a (spec §3.4.8: bf16 grouped product without activation quantization).
+  bool qa8 = true;
+  int qblock = 32;  // QA8 block (V4.1: 32, V4: 128)
+  // Grouped product (wo_a, spec §3.4.8): W has groups * R rows (R = W.rows / groups) and
+  // W.cols = Kg inputs; group g multiplies rows [g R, (g+1) R) with x[t, g Kg .. (g+1) Kg)
+  // and writes y[t, g R .. (g+1) R). ldx >= groups * Kg, ldy >= W.rows.
+  int groups = 1;
+  // Optional f32 workspace for splitting K over several blocks when there are few rows
+  // (e.g. hc fn [24, 20480], weights_proj [32, 5120]); see gemv_split_ws_bytes. The
+  // partial sums are reduced in a fixed order (deterministic). Without it, only the
+  // 8 warps of a block split K.
+  float* split_ws = nullptr;
+  size_t split_ws_bytes = 0;
+};
+
+// W: descriptor with DEVICE pointers (data 16-byte aligned; FP8 tile size 32 or 128).
+// x: [T, >= K] activations of type xt, row stride ldx elements. y: [T, >= N] of type yt,
+// row stride ldy. Requires W.cols % 32 == 0 (and % qblock when QA8 applies).
+void gemv(const QMatrix& W, DType xt, const void* x, int64_t ldx, int T, DType yt, void* y, int64_t ldy,
+          const GemvOpts& opts, cudaStream_t stream);
+
+// Workspace bytes that let gemv use its largest K split for this shape (0 if it never
+// splits K over blocks for this shape).
+size_t gemv_split_ws_bytes(const QMatrix& W, int T, const GemvOpts& opts);
+
+}  // namespace dsx::cuda

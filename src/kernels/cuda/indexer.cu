@@ -1,0 +1,190 @@
+#include "kernels/cuda/indexer.h"
+
+#include <cmath>
+#include <type_traits>
+
+#include "kernels/cuda/cuda_util.h"
+#include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/elementwise_dev.cuh"
+#include "util/error.h"
+
+namespace dsx::cuda {
+
+using namespace dev;
+
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kRowsPerThread = 2;
+constexpr int kRowsPerBlock = kThreads * kRowsPerThread;
+
+// 32 FQ4e8 key values of one scale block: 16 packed bytes + one ue8m0 byte.
+__device__ __forceinline__ void decode32(const uint8_t* __restrict__ p, uint32_t sbyte, float* out) {
+  const uint4 v = *reinterpret_cast<const uint4*>(p);
+  const float s = e8m0_dev(sbyte);
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int n = 0; n < 8; ++n) out[i * 8 + n] = e2m1_dev((w[i] >> (4 * n)) & 15u) * s;
+}
+
+template <typename T, int H>
+__global__ void __launch_bounds__(kThreads) indexer_scores_kernel(
+    int hd, int r, const float* __restrict__ q, const T* __restrict__ w, const uint8_t* __restrict__ kp,
+    const uint8_t* __restrict__ ks, const int32_t* __restrict__ cand_blocks, int64_t cand_ld,
+    const int32_t* __restrict__ cand_count, int cbs, float* __restrict__ scores, int64_t ld_scores,
+    int32_t* __restrict__ counts, const int64_t* __restrict__ d_pos, float softmax_scale, float heads_scale,
+    float weight_factor) {
+  extern __shared__ float4 q_s4[];  // [H, hd] f32
+  __shared__ float w_s[H];
+  constexpr bool kBf16 = !std::is_same<T, float>::value;
+  const int t = blockIdx.y;
+  const int64_t p0 = *d_pos;
+  const int64_t n_vis = (p0 + t + 1) / r;
+  const bool cand = cand_blocks != nullptr;
+  const int64_t count = cand ? static_cast<int64_t>(cand_count[t]) * cbs : n_vis;
+  if (blockIdx.x == 0 && threadIdx.x == 0) counts[t] = static_cast<int32_t>(count);
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock;
+  if (base >= count) return;
+
+  float* q_s = reinterpret_cast<float*>(q_s4);
+  const float* qt = q + static_cast<int64_t>(t) * H * hd;
+  for (int i = threadIdx.x; i < H * hd; i += kThreads) q_s[i] = qt[i];
+  for (int h = threadIdx.x; h < H; h += kThreads) {
+    const float wv = ld(w, static_cast<int64_t>(t) * H + h);
+    w_s[h] = kBf16 ? round_bf16_dev(wv * weight_factor) : wv * heads_scale;
+  }
+  __syncthreads();
+
+  int64_t idx[kRowsPerThread], row[kRowsPerThread];
+  bool valid[kRowsPerThread];
+#pragma unroll
+  for (int k = 0; k < kRowsPerThread; ++k) {
+    idx[k] = base + k * kThreads + threadIdx.x;
+    int64_t j = idx[k];
+    if (cand && idx[k] < count) j = static_cast<int64_t>(cand_blocks[t * cand_ld + idx[k] / cbs]) * cbs + idx[k] % cbs;
+    valid[k] = idx[k] < count && j < n_vis;
+    row[k] = valid[k] ? j : 0;  // invisible rows read row 0 (exists whenever count > 0)
+  }
+
+  float acc[kRowsPerThread][H];
+#pragma unroll
+  for (int k = 0; k < kRowsPerThread; ++k)
+#pragma unroll
+    for (int h = 0; h < H; ++h) acc[k][h] = 0.0f;
+
+  const int nb = hd / 32;
+  for (int b = 0; b < nb; ++b) {
+    float kv[kRowsPerThread][32];
+#pragma unroll
+    for (int k = 0; k < kRowsPerThread; ++k)
+      decode32(kp + row[k] * (hd / 2) + b * 16, ks[row[k] * nb + b], kv[k]);
+#pragma unroll
+    for (int h = 0; h < H; ++h) {
+      const float4* qh = reinterpret_cast<const float4*>(q_s + h * hd + b * 32);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const float4 qv = qh[e];
+#pragma unroll
+        for (int k = 0; k < kRowsPerThread; ++k) {
+          float a = acc[k][h];
+          a = fmaf(qv.x, kv[k][4 * e + 0], a);
+          a = fmaf(qv.y, kv[k][4 * e + 1], a);
+          a = fmaf(qv.z, kv[k][4 * e + 2], a);
+          a = fmaf(qv.w, kv[k][4 * e + 3], a);
+          acc[k][h] = a;
+        }
+      }
+    }
+  }
+
+  float* st_row = scores + static_cast<int64_t>(t) * ld_scores;
+#pragma unroll
+  for (int k = 0; k < kRowsPerThread; ++k) {
+    if (idx[k] >= count) continue;
+    float s = 0.0f;
+    if (kBf16) {
+#pragma unroll
+      for (int h = 0; h < H; ++h) {
+        const float dd = fmaxf(round_bf16_dev(acc[k][h]), 0.0f);
+        s += round_bf16_dev(dd * w_s[h]);
+      }
+      s = round_bf16_dev(s);
+    } else {
+#pragma unroll
+      for (int h = 0; h < H; ++h) s = fmaf(fmaxf(acc[k][h], 0.0f) * softmax_scale, w_s[h], s);
+    }
+    st_row[idx[k]] = valid[k] ? s : -INFINITY;
+  }
+}
+
+__global__ void block_scores_kernel(const float* __restrict__ scores, int64_t ld, const int32_t* __restrict__ counts,
+                                    int bs, float* __restrict__ out, int64_t ld_out, int32_t* __restrict__ out_counts) {
+  const int t = blockIdx.y;
+  const int64_t n = counts[t];
+  const int64_t nb = (n + bs - 1) / bs;
+  if (blockIdx.x == 0 && threadIdx.x == 0) out_counts[t] = static_cast<int32_t>(nb);
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b >= nb) return;
+  const float* s = scores + static_cast<int64_t>(t) * ld;
+  float m = -INFINITY;
+  const int64_t end = (b + 1) * bs < n ? (b + 1) * bs : n;
+  for (int64_t j = b * bs; j < end; ++j) m = fmaxf(m, s[j]);
+  if (b == (n - 1) / bs) m = INFINITY;
+  out[static_cast<int64_t>(t) * ld_out + b] = m;
+}
+
+template <typename T>
+void launch_scores(const IndexerScoreArgs& a, cudaStream_t stream) {
+  const float softmax_scale = static_cast<float>(std::pow(static_cast<double>(a.head_dim), -0.5));
+  const float heads_scale = static_cast<float>(std::pow(static_cast<double>(a.n_heads), -0.5));
+  const float weight_factor =
+      static_cast<float>(std::pow(static_cast<double>(a.head_dim), -0.5) * std::pow(static_cast<double>(a.n_heads), -0.5));
+  const int64_t blocks = (a.max_rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  DSX_CHECK(blocks < (int64_t{1} << 31), "indexer_scores: too many rows");
+  dim3 grid(static_cast<unsigned>(blocks > 0 ? blocks : 1), a.T);
+  const size_t smem = static_cast<size_t>(a.n_heads) * a.head_dim * sizeof(float);
+  const T* w = static_cast<const T*>(a.w);
+#define DSX_IDX_LAUNCH(HH)                                                                                     \
+  do {                                                                                                         \
+    auto* kern = indexer_scores_kernel<T, HH>;                                                                 \
+    if (smem > 48 * 1024) DSX_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, \
+                                                              static_cast<int>(smem)));                       \
+    kern<<<grid, kThreads, smem, stream>>>(a.head_dim, a.ratio, a.q, w, a.keys.packed, a.keys.scales,          \
+                                           a.cand_blocks, a.cand_ld, a.cand_count, a.cand_block_size, a.scores, \
+                                           a.ld, a.counts, a.d_pos, softmax_scale, heads_scale, weight_factor);  \
+  } while (0)
+  switch (a.n_heads) {
+    case 4: DSX_IDX_LAUNCH(4); break;
+    case 8: DSX_IDX_LAUNCH(8); break;
+    case 16: DSX_IDX_LAUNCH(16); break;
+    case 32: DSX_IDX_LAUNCH(32); break;
+    default: fail("indexer_scores: unsupported number of index heads ", a.n_heads, " (4, 8, 16 or 32)");
+  }
+#undef DSX_IDX_LAUNCH
+}
+
+}  // namespace
+
+void indexer_scores(Act act, const IndexerScoreArgs& a, cudaStream_t stream) {
+  if (a.T <= 0) return;
+  DSX_CHECK(a.head_dim % 32 == 0 && a.head_dim <= 256 && a.keys.dim == a.head_dim, "indexer_scores: bad head dim");
+  DSX_CHECK(a.ratio >= 1, "indexer_scores: ratio must be >= 1");
+  DSX_CHECK(a.cand_blocks == nullptr || (a.cand_count && a.cand_block_size >= 1), "indexer_scores: candidate list");
+  DSX_CHECK(a.ld >= a.max_rows, "indexer_scores: score row stride smaller than max_rows");
+  DSX_DISPATCH_ACT(act, T, launch_scores<T>(a, stream));
+  check_launch("indexer_scores");
+}
+
+void block_scores(int T, const float* scores, int64_t ld, const int32_t* counts, int block_size, float* out,
+                  int64_t ld_out, int32_t* out_counts, int64_t max_blocks, cudaStream_t stream) {
+  if (T <= 0) return;
+  DSX_CHECK(block_size >= 1 && ld_out >= max_blocks, "block_scores: bad geometry");
+  const int64_t blocks = (max_blocks + 255) / 256;
+  dim3 grid(static_cast<unsigned>(blocks > 0 ? blocks : 1), T);
+  block_scores_kernel<<<grid, 256, 0, stream>>>(scores, ld, counts, block_size, out, ld_out, out_counts);
+  check_launch("block_scores");
+}
+
+}  // namespace dsx::cuda

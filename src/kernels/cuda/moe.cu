@@ -1,0 +1,636 @@
+#include "kernels/cuda/moe.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/gemm_internal.h"
+#include "kernels/cuda/gemv.h"
+#include "kernels/cuda/gemv_device.cuh"
+#include "kernels/cuda/gemv_launch.h"
+#include "util/error.h"
+
+namespace dsx::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr size_t kSmemBudget = 100 * 1024;
+constexpr int kMaxSlots = 16;
+constexpr int kDownRPW = 2;  // rows per warp unit of the down projection
+
+size_t align256(size_t v) { return (v + 255) & ~static_cast<size_t>(255); }
+
+__device__ __forceinline__ float swiglu_h(float g, float u, float w, float lim, int bf16) {
+  if (bf16) {
+    g = round_bf16(g);
+    u = round_bf16(u);
+  }
+  if (lim > 0.0f) {
+    u = fminf(fmaxf(u, -lim), lim);
+    g = fminf(g, lim);
+  }
+  float h = w * ((g / (1.0f + expf(-g))) * u);
+  if (bf16) h = round_bf16(h);
+  return h;
+}
+
+// ---------------------------------------------------------------------------------
+// Up projection: w1 / w3 of every (token, slot) + SwiGLU + routing weight + QA8 -> hq.
+struct UpParams {
+  const uint8_t* const* w1;
+  const uint8_t* const* w1s;
+  const uint8_t* const* w3;
+  const uint8_t* const* w3s;
+  dev::WView sw1, sw3;
+  int D, I, topk, S;
+  const int32_t* ids;
+  const float* wts;
+  const void* x;
+  int xt;
+  int64_t ldx;
+  int T, Tp;  // tokens, tokens staged per pass
+  int UR;     // rows per unit (max(32, qblock))
+  float lim;
+  int qblock;
+  int bf16;
+  float* hq;  // [T][S][I]
+};
+
+__global__ void __launch_bounds__(kThreads) moe_up_kernel(const UpParams p) {
+  extern __shared__ float4 smem4[];
+  float* xs = reinterpret_cast<float*>(smem4);
+  __shared__ float eta[128];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int nrg = p.I / p.UR;
+  const int rpw = p.UR / kWarps;  // 4 or 16
+  const int xq = p.D / 4;
+  for (int t0 = 0; t0 < p.T; t0 += p.Tp) {
+    const int nt = min(p.Tp, p.T - t0);
+    __syncthreads();
+    dev::stage_rows(xs, nt, p.D, p.x, p.xt, p.ldx, static_cast<int64_t>(t0) * p.ldx, nt, 1, p.qblock,
+                    dev::kTrickPrescale);
+    __syncthreads();
+    const int units = nt * p.S * nrg;
+    for (int un = blockIdx.x; un < units; un += gridDim.x) {
+      const int tl = un / (p.S * nrg), rem = un % (p.S * nrg);
+      const int j = rem / nrg, rg = rem % nrg;
+      const int t = t0 + tl;
+      const bool routed = j < p.topk;
+      float wj = 1.0f;
+      dev::WView v1, v3;
+      if (routed) {
+        const int e = p.ids[t * p.topk + j];
+        wj = p.wts[t * p.topk + j];
+        v1.w = p.w1[e];
+        v1.s = p.w1s[e];
+        v3.w = p.w3[e];
+        v3.s = p.w3s[e];
+        v1.row_bytes = v3.row_bytes = p.D / 2;
+        v1.sc_cols = v3.sc_cols = p.D / 32;
+      } else {
+        v1 = p.sw1;
+        v3 = p.sw3;
+      }
+      const float4* xs_t = smem4 + static_cast<int64_t>(tl) * xq;
+      for (int sub = 0; sub < rpw / 4; ++sub) {
+        const int lr = warp * rpw + sub * 4;  // row within the unit
+        const int64_t r0 = static_cast<int64_t>(rg) * p.UR + lr;
+        float ag[4][1] = {{0.f}, {0.f}, {0.f}, {0.f}}, au[4][1] = {{0.f}, {0.f}, {0.f}, {0.f}};
+        if (routed) {
+          dev::warp_dot<WFormat::MXFP4, 4, 1, 2>(v1, r0, p.I - 1, 0, p.D / 32, 0, xs_t, xq, ag, lane);
+          dev::warp_dot<WFormat::MXFP4, 4, 1, 2>(v3, r0, p.I - 1, 0, p.D / 32, 0, xs_t, xq, au, lane);
+        } else {
+          dev::warp_dot<WFormat::FP8_BLOCK, 4, 1, 2>(v1, r0, p.I - 1, 0, p.D / 16, 0, xs_t, xq, ag, lane);
+          dev::warp_dot<WFormat::FP8_BLOCK, 4, 1, 2>(v3, r0, p.I - 1, 0, p.D / 16, 0, xs_t, xq, au, lane);
+        }
+        dev::warp_reduce<4, 1>(ag);
+        dev::warp_reduce<4, 1>(au);
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+          if (lane == r) eta[lr + r] = swiglu_h(ag[r][0], au[r][0], wj, p.lim, p.bf16);
+      }
+      __syncthreads();
+      const int nqb = p.UR / p.qblock;
+      if (warp < nqb) {
+        float* out = p.hq + (static_cast<int64_t>(t) * p.S + j) * p.I + static_cast<int64_t>(rg) * p.UR + warp * p.qblock;
+        const float* src = eta + warp * p.qblock;
+        if (p.qblock == 32) {
+          float v[1] = {src[lane]};
+          uint8_t c[1];
+          const float s = dev::qa8_warp_block<1>(v, c);
+          out[lane] = e4m3_to_f32(c[0]) * s;
+        } else if (p.qblock == 64) {
+          float v[2] = {src[lane], src[lane + 32]};
+          uint8_t c[2];
+          const float s = dev::qa8_warp_block<2>(v, c);
+#pragma unroll
+          for (int q = 0; q < 2; ++q) out[lane + 32 * q] = e4m3_to_f32(c[q]) * s;
+        } else {
+          float v[4] = {src[lane], src[lane + 32], src[lane + 64], src[lane + 96]};
+          uint8_t c[4];
+          const float s = dev::qa8_warp_block<4>(v, c);
+#pragma unroll
+          for (int q = 0; q < 4; ++q) out[lane + 32 * q] = e4m3_to_f32(c[q]) * s;
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------
+// Down projection: one warp unit = (token, kDownRPW rows, slot); partial results go to
+// part[t][slot][n]; the last unit of a (token, row pair) to finish adds the S partials
+// in the reference order (ascending expert id, shared expert last) and writes y.
+struct DownParams {
+  const uint8_t* const* w2;
+  const uint8_t* const* w2s;
+  dev::WView sw2;
+  int D, I, topk, S;
+  const int32_t* ids;
+  const float* hq;  // [T][S][I]
+  float* part;      // [T][S][D]
+  unsigned* cnt;    // [T][D / kDownRPW], zero on entry
+  int T;
+  int bf16;
+  void* y;
+  int yt;
+  int64_t ldy;
+};
+
+__global__ void __launch_bounds__(kThreads) moe_down_kernel(const DownParams p) {
+  extern __shared__ float4 smem4[];
+  float* xs = reinterpret_cast<float*>(smem4);
+  __shared__ int order[kMaxSlots];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int xq = p.I / 4;
+  const int npair = p.D / kDownRPW;
+  const int units = npair * p.S;
+  for (int t = 0; t < p.T; ++t) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      // slots sorted by ascending expert id (insertion sort; topk is small), shared last
+      for (int j = 0; j < p.S; ++j) order[j] = j;
+      for (int a = 1; a < p.topk; ++a) {
+        const int v = order[a];
+        const int ev = p.ids[t * p.topk + v];
+        int b = a - 1;
+        while (b >= 0 && p.ids[t * p.topk + order[b]] > ev) {
+          order[b + 1] = order[b];
+          --b;
+        }
+        order[b + 1] = v;
+      }
+    }
+    dev::stage_copy(xs, p.S, p.I, p.hq + static_cast<int64_t>(t) * p.S * p.I, p.I, dev::kTrickPrescale);
+    __syncthreads();
+    for (int un = blockIdx.x * kWarps + warp; un < units; un += gridDim.x * kWarps) {
+      const int j = un / npair, pr = un % npair;
+      const int64_t n0 = static_cast<int64_t>(pr) * kDownRPW;
+      const float4* xs_j = smem4 + static_cast<int64_t>(j) * xq;
+      float a[kDownRPW][1];
+#pragma unroll
+      for (int r = 0; r < kDownRPW; ++r) a[r][0] = 0.0f;
+      if (j < p.topk) {
+        const int e = p.ids[t * p.topk + j];
+        dev::WView v;
+        v.w = p.w2[e];
+        v.s = p.w2s[e];
+        v.row_bytes = p.I / 2;
+        v.sc_cols = p.I / 32;
+        dev::warp_dot<WFormat::MXFP4, kDownRPW, 1, 4>(v, n0, p.D - 1, 0, p.I / 32, 0, xs_j, xq, a, lane);
+      } else {
+        dev::warp_dot<WFormat::FP8_BLOCK, kDownRPW, 1, 4>(p.sw2, n0, p.D - 1, 0, p.I / 16, 0, xs_j, xq, a, lane);
+      }
+      dev::warp_reduce<kDownRPW, 1>(a);
+      float* prow = p.part + (static_cast<int64_t>(t) * p.S + j) * p.D;
+#pragma unroll
+      for (int r = 0; r < kDownRPW; ++r)
+        if (lane == r && n0 + r < p.D) prow[n0 + r] = a[r][0];
+      __threadfence();
+      __syncwarp();
+      unsigned old = 0;
+      if (lane == 0) old = atomicAdd(p.cnt + static_cast<int64_t>(t) * npair + pr, 1u);
+      old = __shfl_sync(dev::kFull, old, 0);
+      if (old == static_cast<unsigned>(p.S - 1)) {
+        __threadfence();
+        if (lane < kDownRPW && n0 + lane < p.D) {
+          const int64_t n = n0 + lane;
+          float tot = 0.0f;
+          for (int s = 0; s < p.S; ++s) {
+            float v = __ldcg(p.part + (static_cast<int64_t>(t) * p.S + order[s]) * p.D + n);
+            if (p.bf16) v = round_bf16(v);
+            tot += v;
+          }
+          dev::store_act(p.y, p.yt, static_cast<int64_t>(t) * p.ldy + n, tot);
+        }
+      }
+    }
+  }
+}
+
+struct DecodeLayout {
+  size_t hq = 0, part = 0, cnt = 0, total = 0;
+};
+DecodeLayout decode_layout(const MoeLayer& m, int T, int topk) {
+  const int S = topk + (m.shared_w1.data ? 1 : 0);
+  DecodeLayout L;
+  size_t off = 0;
+  L.hq = off;
+  off = align256(off + static_cast<size_t>(T) * S * m.inter * 4);
+  L.part = off;
+  off = align256(off + static_cast<size_t>(T) * S * m.hidden * 4);
+  L.cnt = off;
+  off = align256(off + static_cast<size_t>(T) * (m.hidden / kDownRPW) * 4);
+  L.total = off;
+  return L;
+}
+
+dev::WView fp8_view(const QMatrix& W) {
+  dev::WView v;
+  v.w = W.data;
+  v.s = W.scale;
+  v.row_bytes = W.cols;
+  v.sc_cols = static_cast<int>((W.cols + W.block - 1) / W.block);
+  int s = 0;
+  while ((1 << s) < W.block) ++s;
+  v.wshift = s;
+  return v;
+}
+
+void check_layer(const MoeLayer& m, int topk) {
+  DSX_CHECK(m.hidden > 0 && m.hidden % 32 == 0 && m.inter > 0 && m.inter % 32 == 0, "moe: D=", m.hidden,
+            " and I=", m.inter, " must be multiples of 32");
+  DSX_CHECK(m.qblock == 32 || m.qblock == 64 || m.qblock == 128, "moe: bad QA8 block ", m.qblock);
+  DSX_CHECK(m.inter % std::max(32, m.qblock) == 0 && m.hidden % m.qblock == 0, "moe: sizes not multiples of qblock");
+  DSX_CHECK(topk >= 1 && topk <= 8, "moe: topk must be in 1..8");
+  DSX_CHECK(m.w1 && m.w1_scale && m.w3 && m.w3_scale && m.w2 && m.w2_scale, "moe: missing expert pointer arrays");
+  DSX_CHECK(m.hidden <= (1 << 24) && m.inter <= (1 << 24), "moe: sizes too large");
+  if (m.shared_w1.data) {
+    const QMatrix* sh[3] = {&m.shared_w1, &m.shared_w3, &m.shared_w2};
+    for (const QMatrix* q : sh) {
+      DSX_CHECK(q->data && q->scale && q->fmt == WFormat::FP8_BLOCK, "moe: shared expert must be FP8_BLOCK");
+      DSX_CHECK(q->block == 32 || q->block == 64 || q->block == 128, "moe: shared expert tile must be 32/64/128");
+      DSX_CHECK(detail::aligned16(q->data), "moe: shared expert data must be 16-byte aligned");
+    }
+    DSX_CHECK(m.shared_w1.rows == m.inter && m.shared_w1.cols == m.hidden && m.shared_w3.rows == m.inter &&
+                  m.shared_w3.cols == m.hidden && m.shared_w2.rows == m.hidden && m.shared_w2.cols == m.inter,
+              "moe: shared expert shapes do not match D / I");
+  }
+}
+
+}  // namespace
+
+size_t moe_decode_ws_bytes(const MoeLayer& m, int T, int topk) { return decode_layout(m, T, topk).total; }
+
+void moe_decode(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int T, int topk, const int32_t* ids,
+                const float* weights, DType yt, void* y, int64_t ldy, void* ws, size_t ws_bytes,
+                cudaStream_t stream) {
+  if (T <= 0) return;
+  check_layer(m, topk);
+  const DecodeLayout L = decode_layout(m, T, topk);
+  DSX_CHECK(ws && ws_bytes >= L.total, "moe_decode: workspace too small (", ws_bytes, " < ", L.total, ")");
+  const int S = topk + (m.shared_w1.data ? 1 : 0);
+  const int D = static_cast<int>(m.hidden), I = static_cast<int>(m.inter);
+  char* base = static_cast<char*>(ws);
+  const bool bf16 = yt == DType::BF16;  // BF16 mode: the reference rounding points
+
+  // ---- up
+  UpParams up{};
+  up.w1 = m.w1;
+  up.w1s = m.w1_scale;
+  up.w3 = m.w3;
+  up.w3s = m.w3_scale;
+  if (m.shared_w1.data) {
+    up.sw1 = fp8_view(m.shared_w1);
+    up.sw3 = fp8_view(m.shared_w3);
+  }
+  up.D = D;
+  up.I = I;
+  up.topk = topk;
+  up.S = S;
+  up.ids = ids;
+  up.wts = weights;
+  up.x = x;
+  up.xt = static_cast<int>(xt);
+  up.ldx = ldx;
+  up.T = T;
+  const size_t row_bytes = static_cast<size_t>(D) * 4;
+  up.Tp = static_cast<int>(std::max<size_t>(1, std::min<size_t>(T, kSmemBudget / row_bytes)));
+  up.UR = std::max(32, m.qblock);
+  up.lim = m.swiglu_limit;
+  up.qblock = m.qblock;
+  up.bf16 = bf16 ? 1 : 0;
+  up.hq = reinterpret_cast<float*>(base + L.hq);
+  const size_t smem_up = static_cast<size_t>(up.Tp) * row_bytes;
+  {
+    const int occ = detail::occupancy(moe_up_kernel, kThreads, smem_up);
+    const int64_t units = static_cast<int64_t>(std::min(T, up.Tp)) * S * (I / up.UR);
+    const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(units, static_cast<int64_t>(occ) * sm_count()));
+    moe_up_kernel<<<static_cast<unsigned>(blocks), kThreads, smem_up, stream>>>(up);
+    DSX_CUDA_CHECK(cudaGetLastError());
+  }
+
+  // ---- down + combine
+  DownParams dn{};
+  dn.w2 = m.w2;
+  dn.w2s = m.w2_scale;
+  if (m.shared_w2.data) dn.sw2 = fp8_view(m.shared_w2);
+  dn.D = D;
+  dn.I = I;
+  dn.topk = topk;
+  dn.S = S;
+  dn.ids = ids;
+  dn.hq = up.hq;
+  dn.part = reinterpret_cast<float*>(base + L.part);
+  dn.cnt = reinterpret_cast<unsigned*>(base + L.cnt);
+  dn.T = T;
+  dn.bf16 = up.bf16;
+  dn.y = y;
+  dn.yt = static_cast<int>(yt);
+  dn.ldy = ldy;
+  DSX_CUDA_CHECK(cudaMemsetAsync(dn.cnt, 0, static_cast<size_t>(T) * (D / kDownRPW) * 4, stream));
+  const size_t smem_dn = static_cast<size_t>(S) * I * 4;
+  {
+    const int occ = detail::occupancy(moe_down_kernel, kThreads, smem_dn);
+    const int64_t wunits = static_cast<int64_t>(D / kDownRPW) * S;
+    const int64_t blocks = std::max<int64_t>(
+        1, std::min<int64_t>((wunits + kWarps - 1) / kWarps, static_cast<int64_t>(occ) * sm_count()));
+    moe_down_kernel<<<static_cast<unsigned>(blocks), kThreads, smem_dn, stream>>>(dn);
+    DSX_CUDA_CHECK(cudaGetLastError());
+  }
+}
+
+
+// =================================================================================
+// Prefill
+namespace {
+
+__global__ void count_kernel(const int32_t* __restrict__ ids, int n, int E, int* __restrict__ counts) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    const int e = ids[i];
+    if (e >= 0 && e < E) atomicAdd(counts + e, 1);
+  }
+}
+
+__global__ void scan_kernel(const int* __restrict__ counts, int E, int* __restrict__ offs) {
+  if (threadIdx.x == 0 && blockIdx.x == 0) {
+    int s = 0;
+    for (int e = 0; e < E; ++e) {
+      offs[e] = s;
+      s += counts[e];
+    }
+    offs[E] = s;
+  }
+}
+
+// Block e lists, in ascending entry order, the entries i (= t * topk + j) routed to
+// expert e: perm[offs[e] + rank] = i, inv[i] = offs[e] + rank. Deterministic.
+__global__ void __launch_bounds__(kThreads) compact_kernel(const int32_t* __restrict__ ids, int n,
+                                                           const int* __restrict__ offs, int* __restrict__ perm,
+                                                           int* __restrict__ inv) {
+  __shared__ int wsum[kWarps];
+  const int e = blockIdx.x;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int base = offs[e];
+  for (int s0 = 0; s0 < n; s0 += kThreads) {
+    const int i = s0 + threadIdx.x;
+    const bool f = i < n && ids[i] == e;
+    const unsigned bal = __ballot_sync(dev::kFull, f);
+    if (lane == 0) wsum[warp] = __popc(bal);
+    __syncthreads();
+    int woff = 0, tot = 0;
+    for (int w = 0; w < kWarps; ++w) {
+      if (w < warp) woff += wsum[w];
+      tot += wsum[w];
+    }
+    if (f) {
+      const int pos = base + woff + __popc(bal & ((1u << lane) - 1u));
+      perm[pos] = i;
+      inv[i] = pos;
+    }
+    base += tot;
+    __syncthreads();
+  }
+}
+
+// dst[p, :] = src[perm[p] / topk, :] (rows of `row_bytes` bytes, multiple of 16).
+__global__ void gather_rows_kernel(const uint8_t* __restrict__ src, const int* __restrict__ perm, int rows, int topk,
+                                   int64_t row_bytes, uint8_t* __restrict__ dst) {
+  const int64_t q = row_bytes / 16;
+  const int64_t total = static_cast<int64_t>(rows) * q;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t p = i / q, c = i % q;
+    const int64_t s = perm[p] / topk;
+    reinterpret_cast<uint4*>(dst + p * row_bytes)[c] = reinterpret_cast<const uint4*>(src + s * row_bytes)[c];
+  }
+}
+
+// h[p, i] from gu[p] = [g(I) | u(I)]; rows p < n_routed use weights[perm[p]], the
+// others (shared expert) weight 1.
+__global__ void swiglu_rows_kernel(const float* __restrict__ gu, int rows, int n_routed, int I,
+                                   const int* __restrict__ perm, const float* __restrict__ weights, float lim,
+                                   int bf16, float* __restrict__ h) {
+  const int64_t total = static_cast<int64_t>(rows) * I;
+  for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < total;
+       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t p = k / I, i = k % I;
+    const float w = p < n_routed ? weights[perm[p]] : 1.0f;
+    const float* r = gu + p * 2 * I;
+    h[k] = swiglu_h(r[i], r[I + i], w, lim, bf16);
+  }
+}
+
+// out[t, :] = sum over slots in ascending expert id of y[inv[t*topk + j]] (+ y[n_routed + t]).
+__global__ void combine_kernel(const float* __restrict__ yp, const int* __restrict__ inv,
+                               const int32_t* __restrict__ ids, int topk, int n_routed, int has_shared, int D,
+                               int bf16, void* y, int yt, int64_t ldy) {
+  __shared__ int rows[kMaxSlots];
+  const int t = blockIdx.x;
+  if (threadIdx.x == 0) {
+    int ord[kMaxSlots];
+    for (int j = 0; j < topk; ++j) ord[j] = j;
+    for (int a = 1; a < topk; ++a) {
+      const int v = ord[a];
+      int b = a - 1;
+      while (b >= 0 && ids[t * topk + ord[b]] > ids[t * topk + v]) {
+        ord[b + 1] = ord[b];
+        --b;
+      }
+      ord[b + 1] = v;
+    }
+    for (int j = 0; j < topk; ++j) rows[j] = inv[t * topk + ord[j]];
+    rows[topk] = n_routed + t;
+  }
+  __syncthreads();
+  const int S = topk + has_shared;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float tot = 0.0f;
+    for (int s = 0; s < S; ++s) {
+      float v = yp[static_cast<int64_t>(rows[s]) * D + d];
+      if (bf16) v = round_bf16(v);
+      tot += v;
+    }
+    dev::store_act(y, yt, static_cast<int64_t>(t) * ldy + d, tot);
+  }
+}
+
+struct PrefillLayout {
+  size_t xq, counts, offs, perm, inv, xg, gu, h, hq, yp, wd, total;
+};
+PrefillLayout prefill_layout(const MoeLayer& m, int T, int topk, size_t cs) {
+  const size_t D = static_cast<size_t>(m.hidden), I = static_cast<size_t>(m.inter);
+  const size_t Tk = static_cast<size_t>(T) * topk;
+  const size_t rows_all = Tk + (m.shared_w1.data ? T : 0);
+  PrefillLayout L{};
+  size_t off = 0;
+  auto take = [&](size_t& at, size_t bytes) {
+    at = off;
+    off = align256(off + bytes);
+  };
+  take(L.xq, T * D * cs);
+  take(L.counts, m.n_experts * 4);
+  take(L.offs, (m.n_experts + 1) * 4);
+  take(L.perm, Tk * 4);
+  take(L.inv, Tk * 4);
+  take(L.xg, Tk * D * cs);
+  take(L.gu, rows_all * 2 * I * 4);
+  take(L.h, rows_all * I * 4);
+  take(L.hq, rows_all * I * cs);
+  take(L.yp, rows_all * D * 4);
+  take(L.wd, 2 * I * D * cs);
+  L.total = off;
+  return L;
+}
+
+unsigned grid_for(int64_t n, int per_block = 256) {
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((n + per_block - 1) / per_block,
+                                                                       static_cast<int64_t>(sm_count()) * 16)));
+}
+
+}  // namespace
+
+size_t moe_prefill_ws_bytes(const MoeLayer& m, int T, int topk) { return prefill_layout(m, T, topk, 4).total; }
+
+void moe_prefill(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int T, int topk, const int32_t* ids,
+                 const float* weights, DType yt, void* y, int64_t ldy, void* ws, size_t ws_bytes,
+                 cudaStream_t stream, const MoePrefillOpts& opts) {
+  if (T <= 0) return;
+  check_layer(m, topk);
+  const bool bf16 = yt == DType::BF16;
+  const DType ct = bf16 ? DType::BF16 : DType::F32;
+  const size_t cs = dtype_size(ct);
+  const PrefillLayout L = prefill_layout(m, T, topk, cs);
+  DSX_CHECK(ws && ws_bytes >= L.total, "moe_prefill: workspace too small (", ws_bytes, " < ", L.total, ")");
+  char* base = static_cast<char*>(ws);
+  const int E = m.n_experts;
+  const int64_t D = m.hidden, I = m.inter;
+  const int Tk = T * topk;
+  const bool has_shared = m.shared_w1.data != nullptr;
+  const int rows_all = Tk + (has_shared ? T : 0);
+  auto at = [&](size_t o) { return static_cast<void*>(base + o); };
+  uint8_t* xq = static_cast<uint8_t*>(at(L.xq));
+  int* counts = static_cast<int*>(at(L.counts));
+  int* offs = static_cast<int*>(at(L.offs));
+  int* perm = static_cast<int*>(at(L.perm));
+  int* inv = static_cast<int*>(at(L.inv));
+  uint8_t* xg = static_cast<uint8_t*>(at(L.xg));
+  float* gu = static_cast<float*>(at(L.gu));
+  float* h = static_cast<float*>(at(L.h));
+  uint8_t* hq = static_cast<uint8_t*>(at(L.hq));
+  float* yp = static_cast<float*>(at(L.yp));
+  uint8_t* wd = static_cast<uint8_t*>(at(L.wd));
+
+  // 1. QA8 of the input, once for every expert
+  qa8_fake(xt, x, ldx, T, D, m.qblock, ct, xq, D, stream);
+  // 2. group the (token, slot) entries by expert
+  DSX_CUDA_CHECK(cudaMemsetAsync(counts, 0, static_cast<size_t>(E) * 4, stream));
+  count_kernel<<<grid_for(Tk), 256, 0, stream>>>(ids, Tk, E, counts);
+  scan_kernel<<<1, 32, 0, stream>>>(counts, E, offs);
+  compact_kernel<<<static_cast<unsigned>(E), kThreads, 0, stream>>>(ids, Tk, offs, perm, inv);
+  DSX_CUDA_CHECK(cudaGetLastError());
+  gather_rows_kernel<<<grid_for(static_cast<int64_t>(Tk) * D * cs / 16), 256, 0, stream>>>(xq, perm, Tk, topk,
+                                                                                          D * cs, xg);
+  DSX_CUDA_CHECK(cudaGetLastError());
+  // 3. counts and expert pointers to the host (the one synchronisation)
+  std::vector<int> cnt(static_cast<size_t>(E));
+  std::vector<const uint8_t*> p1(E), p1s(E), p3(E), p3s(E), p2(E), p2s(E);
+  const size_t pb = static_cast<size_t>(E) * sizeof(void*);
+  DSX_CUDA_CHECK(cudaMemcpyAsync(cnt.data(), counts, static_cast<size_t>(E) * 4, cudaMemcpyDeviceToHost, stream));
+  DSX_CUDA_CHECK(cudaMemcpyAsync(p1.data(), m.w1, pb, cudaMemcpyDeviceToHost, stream));
+  DSX_CUDA_CHECK(cudaMemcpyAsync(p1s.data(), m.w1_scale, pb, cudaMemcpyDeviceToHost, stream));
+  DSX_CUDA_CHECK(cudaMemcpyAsync(p3.data(), m.w3, pb, cudaMemcpyDeviceToHost, stream));
+  DSX_CUDA_CHECK(cudaMemcpyAsync(p3s.data(), m.w3_scale, pb, cudaMemcpyDeviceToHost, stream));
+  DSX_CUDA_CHECK(cudaMemcpyAsync(p2.data(), m.w2, pb, cudaMemcpyDeviceToHost, stream));
+  DSX_CUDA_CHECK(cudaMemcpyAsync(p2s.data(), m.w2_scale, pb, cudaMemcpyDeviceToHost, stream));
+  DSX_CUDA_CHECK(cudaStreamSynchronize(stream));
+
+  const int gmin = std::max(1, opts.gemm_min_tokens);
+  GemvOpts gv;
+  gv.qa8 = false;  // inputs are already QA8'd
+  auto mx = [&](const uint8_t* w, const uint8_t* s, int64_t N, int64_t K) {
+    QMatrix q;
+    q.fmt = WFormat::MXFP4;
+    q.rows = N;
+    q.cols = K;
+    q.block = 32;
+    q.data = w;
+    q.scale = s;
+    q.name = "expert";
+    return q;
+  };
+  // gate/up of one expert (or the shared expert): rows n of input a -> gu rows
+  auto up = [&](const QMatrix& q1, const QMatrix& q3, const void* a, int n, float* out) {
+    if (n >= gmin) {
+      detail::dequant_raw(q1.fmt, q1.data, q1.scale, I, D, q1.block, ct, wd, stream);
+      detail::dequant_raw(q3.fmt, q3.data, q3.scale, I, D, q3.block, ct, wd + I * D * cs, stream);
+      gemm_dense(ct, a, D, n, wd, 2 * I, D, DType::F32, out, 2 * I, stream);
+    } else {
+      gemv(q1, ct, a, D, n, DType::F32, out, 2 * I, gv, stream);
+      gemv(q3, ct, a, D, n, DType::F32, out + I, 2 * I, gv, stream);
+    }
+  };
+  auto down = [&](const QMatrix& q2, const void* a, int n, float* out) {
+    if (n >= gmin) {
+      detail::dequant_raw(q2.fmt, q2.data, q2.scale, D, I, q2.block, ct, wd, stream);
+      gemm_dense(ct, a, I, n, wd, D, I, DType::F32, out, D, stream);
+    } else {
+      gemv(q2, ct, a, I, n, DType::F32, out, D, gv, stream);
+    }
+  };
+
+  // 4. gate/up products
+  int off = 0;
+  for (int e = 0; e < E; ++e) {
+    const int n = cnt[static_cast<size_t>(e)];
+    if (n > 0) up(mx(p1[e], p1s[e], I, D), mx(p3[e], p3s[e], I, D), xg + static_cast<int64_t>(off) * D * cs, n,
+                  gu + static_cast<int64_t>(off) * 2 * I);
+    off += n;
+  }
+  DSX_CHECK(off == Tk, "moe_prefill: expert ids outside [0, ", E, ")");
+  if (has_shared) up(m.shared_w1, m.shared_w3, xq, T, gu + static_cast<int64_t>(Tk) * 2 * I);
+  // 5. SwiGLU (+ routing weight) and QA8 of the hidden rows
+  swiglu_rows_kernel<<<grid_for(static_cast<int64_t>(rows_all) * I), 256, 0, stream>>>(
+      gu, rows_all, Tk, static_cast<int>(I), perm, weights, m.swiglu_limit, bf16 ? 1 : 0, h);
+  DSX_CUDA_CHECK(cudaGetLastError());
+  qa8_fake(DType::F32, h, I, rows_all, I, m.qblock, ct, hq, I, stream);
+  // 6. down products
+  off = 0;
+  for (int e = 0; e < E; ++e) {
+    const int n = cnt[static_cast<size_t>(e)];
+    if (n > 0)
+      down(mx(p2[e], p2s[e], D, I), hq + static_cast<int64_t>(off) * I * cs, n, yp + static_cast<int64_t>(off) * D);
+    off += n;
+  }
+  if (has_shared) down(m.shared_w2, hq + static_cast<int64_t>(Tk) * I * cs, T, yp + static_cast<int64_t>(Tk) * D);
+  // 7. combine in the reference order
+  combine_kernel<<<static_cast<unsigned>(T), 256, 0, stream>>>(yp, inv, ids, topk, Tk, has_shared ? 1 : 0,
+                                                                static_cast<int>(D), bf16 ? 1 : 0, y,
+                                                                static_cast<int>(yt), ldy);
+  DSX_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace dsx::cuda

@@ -1,0 +1,32 @@
+// MoE router on the GPU (spec model-v41.md §3.5, twin: the router in V41Cpu::moe):
+//   z = gate . f / gate_temp (bf16 weight, f32 math), s = sqrt(softplus(z)) (PyTorch
+//   softplus, threshold 20), top-k of s + bias (ties -> lower expert id), weights
+//   w_i = s[idx_i] / (sum_i s[idx_i] + 1e-20) (norm_topk_prob and k > 1) * route_scale.
+// Expert ids and weights stay on the device (router order: descending biased score).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/quant_act.h"
+#include "kernels/qmatrix.h"
+
+namespace dsx::cuda {
+
+struct RouterOpts {
+  float gate_temp = 1.0f;
+  bool norm_topk_prob = true;
+  float route_scale = 1.5f;
+};
+
+// Selection from precomputed logits z [T, E] (row stride ldz, before / gate_temp).
+// bias: [E] f32 or nullptr. E <= 1024, 1 <= topk <= 16. ids / weights: [T, topk].
+void router_select(const float* z, int64_t ldz, int T, int E, const float* bias, int topk, const RouterOpts& o,
+                   int32_t* ids, float* weights, cudaStream_t stream);
+
+// The whole router: gate GEMV (gemv.h, BF16 weight [E, D] -> f32) into logits ([T, E],
+// caller-provided device buffer, left holding z) then router_select. Two launches.
+void router(DType xt, const void* x, int64_t ldx, int T, const QMatrix& gate, const float* bias, int topk,
+            const RouterOpts& o, float* logits, int32_t* ids, float* weights, cudaStream_t stream);
+
+}  // namespace dsx::cuda

@@ -1,0 +1,302 @@
+#include "kernels/cuda/topk.h"
+
+#include <cooperative_groups.h>
+
+#include "kernels/cuda/cuda_util.h"
+#include "kernels/cuda/elementwise.h"
+#include "util/error.h"
+
+namespace dsx::cuda {
+
+namespace {
+
+namespace cg = cooperative_groups;
+
+constexpr int kCluster = 8;     // CTAs per query (portable cluster size; sm_90 builds)
+constexpr int kThreads = 512;
+constexpr int kBins = 2048;     // 11-bit digits
+constexpr uint32_t kMinValid = 0x00800000u;  // key(-inf) = 0x007fffff; NaN -> 0
+
+// Order-preserving key of an f32 score; -0 == +0; NaN -> 0 (never selected).
+__device__ __forceinline__ uint32_t score_key(float f) {
+  uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0u;
+  if (u == 0x80000000u) u = 0u;
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ uint32_t warp_sum_u32(uint32_t v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Warp 0: the bucket (counted from the top) holding the krem-th largest entry.
+__device__ void find_bucket(const uint32_t* hist, int bins, uint32_t krem, uint32_t* out_bucket, uint32_t* out_krem) {
+  const int lane = threadIdx.x & 31;
+  const int per = bins / 32;
+  const int top = bins - lane * per;  // lane covers bins [top - per, top)
+  uint32_t sum = 0;
+  for (int b = top - per; b < top; ++b) sum += hist[b];
+  uint32_t inc = sum;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint32_t v = __shfl_up_sync(0xffffffffu, inc, o);
+    if (lane >= o) inc += v;
+  }
+  const uint32_t excl = inc - sum;
+  if (excl < krem && krem <= inc) {
+    uint32_t cum = excl;
+    for (int b = top - 1; b >= top - per; --b) {
+      if (cum + hist[b] >= krem) {
+        *out_bucket = static_cast<uint32_t>(b);
+        *out_krem = krem - cum;
+        break;
+      }
+      cum += hist[b];
+    }
+  }
+}
+
+// Block-wide exclusive scan (every thread calls it); total = sum over the block.
+__device__ __forceinline__ uint32_t block_excl_scan(uint32_t v, uint32_t* wsum, uint32_t& total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  uint32_t inc = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint32_t u = __shfl_up_sync(0xffffffffu, inc, o);
+    if (lane >= o) inc += u;
+  }
+  if (lane == 31) wsum[warp] = inc;
+  __syncthreads();
+  uint32_t base = 0, tot = 0;
+  for (int w = 0; w < kThreads / 32; ++w) {
+    const uint32_t s = wsum[w];
+    if (w < warp) base += s;
+    tot += s;
+  }
+  __syncthreads();
+  total = tot;
+  return base + inc - v;
+}
+
+// Cluster primitives; C == 1 is the single-CTA fallback (builds without sm_90 code).
+template <int C>
+struct ClusterOps {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  __device__ static int rank() { return static_cast<int>(cg::this_cluster().block_rank()); }
+  __device__ static void sync() { cg::this_cluster().sync(); }
+  template <typename V>
+  __device__ static V* map(V* p, int r) {
+    return cg::this_cluster().map_shared_rank(p, static_cast<unsigned>(r));
+  }
+#else
+  __device__ static int rank() {
+    __trap();
+    return 0;
+  }
+  __device__ static void sync() { __trap(); }
+  template <typename V>
+  __device__ static V* map(V* p, int) {
+    __trap();
+    return p;
+  }
+#endif
+};
+template <>
+struct ClusterOps<1> {
+  __device__ static int rank() { return 0; }
+  __device__ static void sync() { __syncthreads(); }
+  template <typename V>
+  __device__ static V* map(V* p, int) {
+    return p;
+  }
+};
+
+template <int C>
+__global__ void __launch_bounds__(kThreads)
+    topk_kernel(const float* __restrict__ scores, int64_t ld, const int32_t* __restrict__ counts, int k,
+                const int32_t* __restrict__ id_blocks, int64_t id_ld, int id_bs, int32_t* __restrict__ out,
+                int64_t out_ld, int32_t* __restrict__ out_count) {
+  using CL = ClusterOps<C>;
+  const int rank = CL::rank();
+  const int t = blockIdx.y;
+  __shared__ uint32_t tot[3 * kBins];  // cluster totals per pass (rank 0's copy is used)
+  __shared__ uint32_t loc[kBins];
+  __shared__ uint32_t wsum[kThreads / 32];
+  __shared__ uint32_t cta_cnt[2];
+  __shared__ uint32_t s_bucket, s_krem, s_all, s_base_gt, s_base_eq, s_tot_gt, s_tot_eq;
+
+  const int64_t n = counts[t] > 0 ? counts[t] : 0;
+  const float* s = scores + static_cast<int64_t>(t) * ld;
+  const int64_t per = (n + C - 1) / C;
+  const int64_t lo = min(n, static_cast<int64_t>(rank) * per), hi = min(n, lo + per);
+
+  for (int i = threadIdx.x; i < 3 * kBins; i += kThreads) tot[i] = 0u;
+  if (threadIdx.x == 0) s_all = 0u;
+  CL::sync();
+  uint32_t* tot0 = CL::map(tot, 0);
+
+  // ---- radix select of the k-th largest key
+  uint32_t prefix = 0u, krem = static_cast<uint32_t>(k);
+  bool all = false;
+  for (int p = 0; p < 3; ++p) {
+    const int shift = p == 0 ? 21 : (p == 1 ? 10 : 0);
+    const int width = p == 2 ? 10 : 11;
+    const int bins = 1 << width;
+    for (int i = threadIdx.x; i < bins; i += kThreads) loc[i] = 0u;
+    __syncthreads();
+    for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads) {
+      const uint32_t key = score_key(s[i]);
+      if (key < kMinValid) continue;
+      if (p > 0 && (key >> (shift + width)) != prefix) continue;
+      atomicAdd(&loc[(key >> shift) & static_cast<uint32_t>(bins - 1)], 1u);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < bins; i += kThreads)
+      if (loc[i]) atomicAdd(tot0 + p * kBins + i, loc[i]);
+    CL::sync();
+    for (int i = threadIdx.x; i < bins; i += kThreads) loc[i] = tot0[p * kBins + i];
+    __syncthreads();
+    if (threadIdx.x < 32) {
+      if (p == 0) {
+        uint32_t sum = 0u;
+        for (int i = threadIdx.x; i < bins; i += 32) sum += loc[i];
+        sum = warp_sum_u32(sum);
+        if (threadIdx.x == 0) s_all = sum <= static_cast<uint32_t>(k) ? 1u : 0u;
+        __syncwarp();
+      }
+      if (!s_all) find_bucket(loc, bins, krem, &s_bucket, &s_krem);
+    }
+    __syncthreads();
+    if (s_all) {
+      all = true;
+      break;  // uniform across the cluster (same totals everywhere)
+    }
+    prefix = (prefix << width) | s_bucket;
+    krem = s_krem;
+    __syncthreads();
+  }
+  const uint32_t tau = all ? kMinValid - 1u : prefix;
+  const uint32_t need = all ? 0u : krem;
+
+  // ---- count pass: entries above / equal to the threshold in this CTA's slice
+  uint32_t cgt = 0u, ceq = 0u;
+  for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads) {
+    const uint32_t key = score_key(s[i]);
+    cgt += key > tau ? 1u : 0u;
+    ceq += key == tau ? 1u : 0u;
+  }
+  cgt = warp_sum_u32(cgt);
+  ceq = warp_sum_u32(ceq);
+  if ((threadIdx.x & 31) == 0) wsum[threadIdx.x >> 5] = cgt;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint32_t a = 0u;
+    for (int w = 0; w < kThreads / 32; ++w) a += wsum[w];
+    cta_cnt[0] = a;
+  }
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) wsum[threadIdx.x >> 5] = ceq;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint32_t a = 0u;
+    for (int w = 0; w < kThreads / 32; ++w) a += wsum[w];
+    cta_cnt[1] = a;
+  }
+  CL::sync();
+  if (threadIdx.x == 0) {
+    uint32_t bg = 0u, be = 0u, tg = 0u, te = 0u;
+    for (int r = 0; r < C; ++r) {
+      const uint32_t* c = CL::map(cta_cnt, r);
+      const uint32_t g = c[0], e = c[1];
+      if (r < rank) {
+        bg += g;
+        be += e;
+      }
+      tg += g;
+      te += e;
+    }
+    s_base_gt = bg;
+    s_base_eq = be;
+    s_tot_gt = tg;
+    s_tot_eq = te;
+  }
+  __syncthreads();
+
+  // ---- write pass: selected entries in position order
+  uint32_t run_gt = s_base_gt, run_eq = s_base_eq;
+  int32_t* o = out + static_cast<int64_t>(t) * out_ld;
+  for (int64_t tile = lo; tile < hi; tile += kThreads) {
+    const int64_t i = tile + threadIdx.x;
+    const uint32_t key = i < hi ? score_key(s[i]) : 0u;
+    const uint32_t g = (i < hi && key > tau) ? 1u : 0u;
+    const uint32_t e = (i < hi && key == tau) ? 1u : 0u;
+    uint32_t total;
+    const uint32_t ex = block_excl_scan(g | (e << 16), wsum, total);
+    const uint32_t gb = run_gt + (ex & 0xffffu), eb = run_eq + (ex >> 16);
+    if (g || (e && eb < need)) {
+      const uint32_t pos = gb + (eb < need ? eb : need);
+      int64_t id = i;
+      if (id_blocks) id = static_cast<int64_t>(id_blocks[static_cast<int64_t>(t) * id_ld + i / id_bs]) * id_bs + i % id_bs;
+      o[pos] = static_cast<int32_t>(id);
+    }
+    run_gt += total & 0xffffu;
+    run_eq += total >> 16;
+  }
+  if (rank == 0 && threadIdx.x == 0)
+    out_count[t] = static_cast<int32_t>(s_tot_gt + (s_tot_eq < need ? s_tot_eq : need));
+  CL::sync();  // no CTA leaves while others may still read its shared memory
+}
+
+// The cluster kernel needs sm_90 device code (a build for an older virtual
+// architecture JIT-compiled on the H200 gets the single-CTA kernel).
+bool use_clusters() {
+  static int cached = -1;
+  if (cached < 0) {
+    int dev = 0, major = 0;
+    cudaFuncAttributes fa{};
+    cached = cudaGetDevice(&dev) == cudaSuccess &&
+                     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+                     major >= 9 && cudaFuncGetAttributes(&fa, topk_kernel<kCluster>) == cudaSuccess &&
+                     fa.ptxVersion >= 90
+                 ? 1
+                 : 0;
+    cudaGetLastError();
+  }
+  return cached == 1;
+}
+
+}  // namespace
+
+bool topk_uses_clusters() { return use_clusters(); }
+
+void topk_select(int T, const float* scores, int64_t ld, const int32_t* counts, int k, const int32_t* id_blocks,
+                 int64_t id_ld, int id_block_size, int32_t* out, int64_t out_ld, int32_t* out_count,
+                 cudaStream_t stream) {
+  if (T <= 0) return;
+  DSX_CHECK(k >= 1 && k <= out_ld, "topk_select: need 1 <= k <= out_ld");
+  DSX_CHECK(id_blocks == nullptr || id_block_size >= 1, "topk_select: id block size");
+  if (use_clusters()) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(kCluster, T);
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = 0;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = kCluster;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    DSX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, topk_kernel<kCluster>, scores, ld, counts, k, id_blocks, id_ld,
+                                      id_block_size, out, out_ld, out_count));
+  } else {
+    topk_kernel<1><<<dim3(1, T), kThreads, 0, stream>>>(scores, ld, counts, k, id_blocks, id_ld, id_block_size, out,
+                                                         out_ld, out_count);
+  }
+  check_launch("topk_select");
+}
+
+}  // namespace dsx::cuda

@@ -1,0 +1,567 @@
+// CUDA weight-streaming kernels (quant_act, gemv, gemm, router) against their CPU twins
+// (src/kernels/cpu/{quant,linear,twin_linear}) on fresh random inputs.
+//
+// Tolerances:
+//  * QA8 codes / scales, dequantization: bit-exact (same math, exact operations).
+//  * Products, F32 mode: |gpu - cpu| <= 2e-5 * sum_k |x'_k W_nk|. Both sides multiply the
+//    same exact values (dequantized weights and QA8'd activations are exact in f32); only
+//    the f32 summation order differs, whose error is a few 1e-7 of that sum (the worst-case
+//    bound for these depths is ~1e-5, its statistical size ~sqrt(depth) * 6e-8).
+//  * Products, BF16 mode: the same plus 2^-7 * |ref| (the two f32 sums may straddle a
+//    bf16 rounding boundary: results differ by at most one bf16 ulp <= 2^-7 |v|).
+#ifdef DSX_HAVE_CUDA
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "kernels/cpu/linear.h"
+#include "kernels/cpu/ops.h"
+#include "kernels/cpu/quant.h"
+#include "kernels/cpu/twin_linear.h"
+#include "kernels/cuda/cuda_util.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/gemv.h"
+#include "kernels/cuda/quant_act.h"
+#include "kernels/cuda/router.h"
+#include "util/numerics.h"
+
+using namespace dsx;
+using dsx::cuda::DeviceBuffer;
+using dsx::cuda::DType;
+namespace twin = dsx::cpu::twin;
+
+namespace {
+
+#define SKIP_WITHOUT_GPU() \
+  if (!dsx::cuda::device_available()) GTEST_SKIP() << "no CUDA device"
+
+int64_t data_bytes(const QMatrix& W) {
+  switch (W.fmt) {
+    case WFormat::F32: return W.rows * W.cols * 4;
+    case WFormat::BF16: return W.rows * W.cols * 2;
+    case WFormat::FP8_BLOCK: return W.rows * W.cols;
+    case WFormat::MXFP4: return W.rows * W.cols / 2;
+  }
+  return 0;
+}
+int64_t scale_bytes(const QMatrix& W) {
+  if (W.fmt == WFormat::FP8_BLOCK) return ((W.rows + W.block - 1) / W.block) * ((W.cols + W.block - 1) / W.block);
+  if (W.fmt == WFormat::MXFP4) return W.rows * (W.cols / 32);
+  return 0;
+}
+
+struct DevMatrix {
+  DeviceBuffer data, scale;
+  QMatrix q;
+};
+DevMatrix upload(const QMatrix& h) {
+  DevMatrix d;
+  d.q = h;
+  d.data.alloc(static_cast<size_t>(data_bytes(h)));
+  d.data.upload(h.data, d.data.size());
+  d.q.data = d.data.as<uint8_t>();
+  if (scale_bytes(h) > 0) {
+    d.scale.alloc(static_cast<size_t>(scale_bytes(h)));
+    d.scale.upload(h.scale, d.scale.size());
+    d.q.scale = d.scale.as<uint8_t>();
+  } else {
+    d.q.scale = nullptr;
+  }
+  return d;
+}
+
+// Activations in device memory as type t (values must be bf16-exact for BF16).
+DeviceBuffer upload_acts(const std::vector<float>& x, DType t) {
+  DeviceBuffer b(x.size() * cuda::dtype_size(t));
+  if (t == DType::F32) {
+    b.upload(x.data(), x.size() * 4);
+  } else {
+    std::vector<uint16_t> h(x.size());
+    for (size_t i = 0; i < x.size(); ++i) h[i] = f32_to_bf16(x[i]);
+    b.upload(h.data(), h.size() * 2);
+  }
+  return b;
+}
+
+std::vector<float> download_acts(const DeviceBuffer& b, size_t n, DType t) {
+  std::vector<float> v(n);
+  if (t == DType::F32) {
+    b.download(v.data(), n * 4);
+  } else {
+    std::vector<uint16_t> h(n);
+    b.download(h.data(), n * 2);
+    for (size_t i = 0; i < n; ++i) v[i] = bf16_to_f32(h[i]);
+  }
+  return v;
+}
+
+// |got - ref| <= ka * abs + kr * |ref| (+ 1e-30) everywhere.
+void expect_close(const std::vector<float>& got, const std::vector<float>& ref, const std::vector<float>& abs, double ka,
+                  double kr, const std::string& what) {
+  ASSERT_EQ(got.size(), ref.size()) << what;
+  int bad = 0;
+  double worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double d = std::fabs(static_cast<double>(got[i]) - ref[i]);
+    const double tol = ka * abs[i] + kr * std::fabs(ref[i]) + 1e-30;
+    worst = std::max(worst, d / tol);
+    if (!(d <= tol)) {
+      if (++bad <= 5)
+        ADD_FAILURE() << what << ": element " << i << " gpu " << got[i] << " cpu " << ref[i] << " |x'W| " << abs[i]
+                      << " tol " << tol;
+    }
+  }
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << got.size() << " outside tolerance (worst ratio " << worst << ")";
+}
+
+constexpr double kSumTol = 2e-5;            // summation-order tolerance, times sum |x'W|
+constexpr double kBf16Ulp = 1.0 / 128.0;    // one bf16 ulp, relative bound
+
+struct Shape {
+  int64_t N, K;
+};
+
+// A random weight on the host and its device copy.
+struct Weight {
+  twin::OwnedMatrix h;
+  DevMatrix d;
+};
+Weight make_weight(WFormat fmt, int64_t N, int64_t K, std::mt19937_64& rng, int block = 32) {
+  Weight w;
+  w.h = twin::random_matrix(fmt, N, K, block, rng);
+  w.d = upload(w.h.q);
+  return w;
+}
+
+// One GEMV case: T rows of fresh activations against W, compared with the twin.
+// mode selects the output type and the rounding; xt the activation type.
+void check_gemv(const Weight& W, int T, DType mode, DType xt, std::mt19937_64& rng, const cuda::GemvOpts& opts = {}) {
+  const int64_t N = W.h.q.rows, K = W.h.q.cols;
+  const WFormat fmt = W.h.q.fmt;
+  SCOPED_TRACE(testing::Message() << "fmt " << static_cast<int>(fmt) << " N " << N << " K " << K << " T " << T
+                                  << " mode " << (mode == DType::BF16 ? "bf16" : "f32") << " xt "
+                                  << (xt == DType::BF16 ? "bf16" : "f32") << " groups " << opts.groups);
+  const DType yt = mode;
+  const int G = opts.groups;
+  const int64_t ldx = G * K;
+  std::vector<float> x = twin::random_acts(T, ldx, rng, xt == DType::BF16);
+  const bool qa8 = opts.qa8 && (fmt == WFormat::FP8_BLOCK || fmt == WFormat::MXFP4);
+  std::vector<float> ref(static_cast<size_t>(T * N)), abs(static_cast<size_t>(T * N));
+  twin::linear(x.data(), T, ldx, W.h.q, qa8, opts.qblock, G, mode == DType::BF16, ref.data(), N, abs.data());
+  DeviceBuffer dx = upload_acts(x, xt);
+  DeviceBuffer dy(static_cast<size_t>(T * N) * cuda::dtype_size(yt));
+  cuda::gemv(W.d.q, xt, dx.get(), ldx, T, yt, dy.get(), N, opts, nullptr);
+  DSX_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<float> got = download_acts(dy, static_cast<size_t>(T * N), yt);
+  expect_close(got, ref, abs, kSumTol, mode == DType::BF16 ? kBf16Ulp : 0.0, "gemv");
+}
+
+void run_gemv_cases(WFormat fmt, int64_t N, int64_t K, std::initializer_list<int> Ts, std::mt19937_64& rng,
+                    int block = 32, const cuda::GemvOpts& opts = {}) {
+  Weight W = make_weight(fmt, N, K, rng, block);
+  for (DType mode : {DType::F32, DType::BF16})
+    for (int T : Ts) check_gemv(W, T, mode, mode, rng, opts);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------
+TEST(CudaQuant, Qa8CodesBitExact) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(101);
+  for (int block : {32, 128})
+    for (int64_t K : {128LL, 256LL, 1280LL, 5120LL})
+      for (int64_t rows : {1LL, 3LL, 17LL})
+        for (DType xt : {DType::F32, DType::BF16}) {
+          SCOPED_TRACE(testing::Message() << "block " << block << " K " << K << " rows " << rows);
+          std::vector<float> x = twin::random_acts(rows, K, rng, xt == DType::BF16, -30, 20);
+          // crafted values in the first row: e4m3 midpoints, power-of-two amax, tiny block
+          if (K >= 128) {
+            const float s = 1.0f / 64.0f;  // amax 7 -> s = 2^-6
+            float* r = x.data();
+            r[0] = 7.0f;
+            for (int i = 1; i < 31; ++i) r[i] = (1.0f + (2 * i + 1) / 16.0f) * s * (i % 2 ? 1.0f : -1.0f);  // ties
+            r[31] = 0.5f * 0.001953125f * s;  // half the smallest subnormal code
+            for (int i = 32; i < 64; ++i) r[i] = (i == 40) ? 448.0f * 0.25f : 0.001f * (i - 48);  // amax = 448 * 2^-2
+            for (int i = 64; i < 96; ++i) r[i] = 1e-6f * (i - 80);                               // below the 1e-4 floor
+            if (xt == DType::BF16)
+              for (int i = 0; i < 128; ++i) r[i] = round_bf16(r[i]);
+          }
+          std::vector<uint8_t> ref_c(static_cast<size_t>(rows * K));
+          std::vector<float> ref_s(static_cast<size_t>(rows * K / block));
+          for (int64_t r = 0; r < rows; ++r)
+            cpu::qa8_codes(x.data() + r * K, K, block, ref_c.data() + r * K, ref_s.data() + r * (K / block));
+          DeviceBuffer dx = upload_acts(x, xt);
+          DeviceBuffer dc(ref_c.size()), ds(ref_s.size() * 4);
+          cuda::qa8_codes(xt, dx.get(), K, rows, K, block, dc.as<uint8_t>(), ds.as<float>(), nullptr);
+          std::vector<uint8_t> got_c(ref_c.size());
+          std::vector<float> got_s(ref_s.size());
+          dc.download(got_c.data(), got_c.size());
+          ds.download(got_s.data(), got_s.size() * 4);
+          for (size_t i = 0; i < ref_s.size(); ++i) ASSERT_EQ(got_s[i], ref_s[i]) << "scale " << i;
+          for (size_t i = 0; i < ref_c.size(); ++i) ASSERT_EQ(got_c[i], ref_c[i]) << "code " << i << " x " << x[i];
+          // fake-quantized values in both output types
+          std::vector<float> ref_v = x;
+          for (int64_t r = 0; r < rows; ++r) cpu::qa8_inplace(ref_v.data() + r * K, K, block);
+          for (DType yt : {DType::F32, DType::BF16}) {
+            DeviceBuffer dy(static_cast<size_t>(rows * K) * cuda::dtype_size(yt));
+            cuda::qa8_fake(xt, dx.get(), K, rows, K, block, yt, dy.get(), K, nullptr);
+            std::vector<float> got = download_acts(dy, static_cast<size_t>(rows * K), yt);
+            for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], ref_v[i]) << "fake " << i;
+          }
+        }
+}
+
+TEST(CudaQuant, Qa8StridedAndConvert) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(7);
+  const int64_t rows = 5, K = 256, ld = 320;
+  std::vector<float> x = twin::random_acts(rows, ld, rng, false);
+  DeviceBuffer dx = upload_acts(x, DType::F32);
+  DeviceBuffer dy(static_cast<size_t>(rows * ld) * 4);
+  dy.zero();
+  cuda::qa8_fake(DType::F32, dx.get(), ld, rows, K, 32, DType::F32, dy.get(), ld, nullptr);
+  std::vector<float> got = download_acts(dy, static_cast<size_t>(rows * ld), DType::F32);
+  for (int64_t r = 0; r < rows; ++r) {
+    std::vector<float> ref(x.begin() + r * ld, x.begin() + r * ld + K);
+    cpu::qa8_inplace(ref.data(), K, 32);
+    for (int64_t k = 0; k < ld; ++k) ASSERT_EQ(got[r * ld + k], k < K ? ref[k] : 0.0f) << r << "," << k;
+  }
+  // f32 -> bf16 -> f32
+  DeviceBuffer db(static_cast<size_t>(rows * ld) * 2), dz(static_cast<size_t>(rows * ld) * 4);
+  cuda::convert(DType::F32, dx.get(), DType::BF16, db.get(), rows * ld, nullptr);
+  cuda::convert(DType::BF16, db.get(), DType::F32, dz.get(), rows * ld, nullptr);
+  std::vector<float> z = download_acts(dz, static_cast<size_t>(rows * ld), DType::F32);
+  for (size_t i = 0; i < z.size(); ++i) ASSERT_EQ(z[i], round_bf16(x[i])) << i;
+}
+
+// ---------------------------------------------------------------------------------
+TEST(CudaGemv, Fp8TinyShapes) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(1);
+  const Shape shapes[] = {{64, 256}, {512, 64}, {128, 256}, {256, 128}, {1280, 192}, {96, 256}, {40, 64}};
+  for (const Shape& s : shapes) run_gemv_cases(WFormat::FP8_BLOCK, s.N, s.K, {1, 2, 3, 5, 8, 13, 16, 21}, rng);
+}
+
+TEST(CudaGemv, Fp8ReleaseShapes) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(2);
+  const Shape shapes[] = {{32768, 1280}, {5120, 8192}, {1280, 5120}, {512, 5120}, {2304, 5120}, {5120, 2304}};
+  for (const Shape& s : shapes) run_gemv_cases(WFormat::FP8_BLOCK, s.N, s.K, {1, 4}, rng);
+  Weight W = make_weight(WFormat::FP8_BLOCK, 1280, 5120, rng);
+  for (int T : {2, 7, 16}) check_gemv(W, T, DType::BF16, DType::BF16, rng);
+}
+
+TEST(CudaGemv, Fp8Tile128AndQBlock128) {
+  SKIP_WITHOUT_GPU();  // V4 layout: 128x128 weight tiles, QA8 blocks of 128
+  std::mt19937_64 rng(3);
+  cuda::GemvOpts o;
+  o.qblock = 128;
+  run_gemv_cases(WFormat::FP8_BLOCK, 512, 1024, {1, 3, 9}, rng, 128, o);
+  run_gemv_cases(WFormat::FP8_BLOCK, 300, 4096, {1, 3, 9}, rng, 128, o);
+}
+
+TEST(CudaGemv, Mxfp4) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(4);
+  const Shape shapes[] = {{64, 256}, {256, 64}, {2304, 5120}, {5120, 2304}, {100, 1024}};
+  for (const Shape& s : shapes) run_gemv_cases(WFormat::MXFP4, s.N, s.K, {1, 2, 6, 16}, rng);
+}
+
+TEST(CudaGemv, Bf16Weights) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(5);
+  // router gate, indexer weights_proj, compressor, a tall head-like matrix, tiny shapes
+  const Shape shapes[] = {{384, 5120}, {32, 5120}, {512, 5120}, {8192, 5120}, {8, 256}, {4, 256}, {128, 256}};
+  for (const Shape& s : shapes) {
+    Weight W = make_weight(WFormat::BF16, s.N, s.K, rng);
+    for (int T : {1, 3}) {
+      check_gemv(W, T, DType::F32, DType::BF16, rng);   // LinF32 on bf16 inputs (router, head)
+      check_gemv(W, T, DType::F32, DType::F32, rng);    // f32 inputs (compressor in F32 mode)
+      check_gemv(W, T, DType::BF16, DType::BF16, rng);  // LinBF
+    }
+  }
+}
+
+TEST(CudaGemv, F32Weights) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(6);
+  const Shape shapes[] = {{24, 20480}, {24, 1024}, {512, 5120}, {128, 256}};
+  for (const Shape& s : shapes) {
+    Weight W = make_weight(WFormat::F32, s.N, s.K, rng);
+    for (int T : {1, 2, 5}) check_gemv(W, T, DType::F32, DType::F32, rng);
+  }
+}
+
+TEST(CudaGemv, GroupedWoA) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(8);
+  cuda::GemvOpts o;
+  o.qa8 = false;  // wo_a: no activation quantization (spec §3.4.8)
+  o.groups = 8;
+  run_gemv_cases(WFormat::FP8_BLOCK, 8192, 4096, {1, 3}, rng, 32, o);  // stored FP8, used as bf16 values
+  run_gemv_cases(WFormat::BF16, 8192, 4096, {1, 3}, rng, 32, o);       // dequantized at load
+  o.groups = 2;  // tiny: wo_a [128, 256], 2 groups
+  run_gemv_cases(WFormat::FP8_BLOCK, 128, 256, {1, 4, 17}, rng, 32, o);
+  run_gemv_cases(WFormat::BF16, 128, 256, {1, 4, 17}, rng, 32, o);
+}
+
+TEST(CudaGemv, SplitKWorkspace) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(9);
+  struct C {
+    WFormat f;
+    int64_t N, K;
+  } cases[] = {{WFormat::F32, 24, 20480}, {WFormat::BF16, 32, 5120}, {WFormat::FP8_BLOCK, 64, 8192}};
+  for (const C& c : cases)
+    for (int T : {1, 3}) {
+      SCOPED_TRACE(testing::Message() << "N " << c.N << " K " << c.K << " T " << T);
+      twin::OwnedMatrix W = twin::random_matrix(c.f, c.N, c.K, 32, rng);
+      std::vector<float> x = twin::random_acts(T, c.K, rng, false);
+      std::vector<float> ref(static_cast<size_t>(T * c.N)), abs(ref.size());
+      twin::linear(x.data(), T, c.K, W.q, true, 32, 1, false, ref.data(), c.N, abs.data());
+      DevMatrix dW = upload(W.q);
+      DeviceBuffer dx = upload_acts(x, DType::F32), dy(ref.size() * 4), dy2(ref.size() * 4);
+      cuda::GemvOpts o;
+      const size_t wsb = cuda::gemv_split_ws_bytes(dW.q, T, o);
+      EXPECT_GT(wsb, 0u) << "expected a K split for this shape";
+      DeviceBuffer ws(std::max<size_t>(wsb, 4));
+      o.split_ws = ws.as<float>();
+      o.split_ws_bytes = wsb;
+      cuda::gemv(dW.q, DType::F32, dx.get(), c.K, T, DType::F32, dy.get(), c.N, o, nullptr);
+      cuda::gemv(dW.q, DType::F32, dx.get(), c.K, T, DType::F32, dy2.get(), c.N, cuda::GemvOpts{}, nullptr);
+      DSX_CUDA_CHECK(cudaDeviceSynchronize());
+      std::vector<float> got = download_acts(dy, ref.size(), DType::F32);
+      std::vector<float> got2 = download_acts(dy2, ref.size(), DType::F32);
+      expect_close(got, ref, abs, kSumTol, 0.0, "split-K");
+      expect_close(got2, ref, abs, kSumTol, 0.0, "no split");
+      // deterministic: the same call again gives identical bits
+      cuda::gemv(dW.q, DType::F32, dx.get(), c.K, T, DType::F32, dy2.get(), c.N, o, nullptr);
+      std::vector<float> again = download_acts(dy2, ref.size(), DType::F32);
+      for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(f32_bits(again[i]), f32_bits(got[i])) << i;
+    }
+}
+
+TEST(CudaGemv, StridesAndSubnormalCodes) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(10);
+  // weights made only of small (incl. subnormal) e4m3 codes; activations with big range
+  twin::RandomSpec sp;
+  sp.e4m3_exp_lo = 0;
+  sp.e4m3_exp_hi = 2;
+  const int64_t N = 200, K = 640, ldx = 700, ldy = 211, T = 3;
+  twin::OwnedMatrix W = twin::random_matrix(WFormat::FP8_BLOCK, N, K, 32, rng, sp);
+  std::vector<float> x = twin::random_acts(T, ldx, rng, false, -20, 12);
+  std::vector<float> ref(static_cast<size_t>(T * ldy), 0.0f), abs(ref.size(), 0.0f);
+  twin::linear(x.data(), T, ldx, W.q, true, 32, 1, false, ref.data(), ldy, abs.data());
+  DevMatrix dW = upload(W.q);
+  DeviceBuffer dx = upload_acts(x, DType::F32), dy(ref.size() * 4);
+  dy.zero();
+  cuda::gemv(dW.q, DType::F32, dx.get(), ldx, T, DType::F32, dy.get(), ldy, cuda::GemvOpts{}, nullptr);
+  std::vector<float> got = download_acts(dy, ref.size(), DType::F32);
+  expect_close(got, ref, abs, kSumTol, 0.0, "strided");  // columns >= N stay 0 on both sides
+}
+
+// ---------------------------------------------------------------------------------
+TEST(CudaGemm, DequantExact) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(11);
+  struct C {
+    WFormat f;
+    int64_t N, K;
+    int block;
+  } cases[] = {{WFormat::FP8_BLOCK, 300, 640, 32},
+               {WFormat::FP8_BLOCK, 256, 512, 128},
+               {WFormat::MXFP4, 130, 256, 32},
+               {WFormat::BF16, 70, 96, 32},
+               {WFormat::F32, 33, 64, 32}};
+  for (const C& c : cases) {
+    twin::OwnedMatrix W = twin::random_matrix(c.f, c.N, c.K, c.block, rng);
+    std::vector<float> ref(static_cast<size_t>(c.N * c.K));
+    W.q.dequant_rows(0, c.N, ref.data());
+    DevMatrix dW = upload(W.q);
+    for (DType out : {DType::F32, DType::BF16}) {
+      DeviceBuffer d(ref.size() * cuda::dtype_size(out));
+      cuda::dequant(dW.q, out, d.get(), nullptr);
+      std::vector<float> got = download_acts(d, ref.size(), out);
+      for (size_t i = 0; i < ref.size(); ++i) {
+        const float r = (out == DType::BF16) ? round_bf16(ref[i]) : ref[i];
+        if (out == DType::BF16 && c.f != WFormat::F32) ASSERT_EQ(r, ref[i]) << "not bf16-exact?";
+        ASSERT_EQ(got[i], r) << "fmt " << static_cast<int>(c.f) << " element " << i;
+      }
+    }
+  }
+}
+
+TEST(CudaGemm, LinearMatchesTwin) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(12);
+  struct C {
+    WFormat f;
+    int64_t N, K;
+  } cases[] = {{WFormat::FP8_BLOCK, 1280, 5120}, {WFormat::FP8_BLOCK, 512, 64},  {WFormat::MXFP4, 2304, 5120},
+               {WFormat::MXFP4, 256, 64},        {WFormat::BF16, 384, 5120},    {WFormat::F32, 24, 1024}};
+  for (const C& c : cases)
+    for (int T : {1, 37, 300})
+      for (DType mode : {DType::F32, DType::BF16}) {
+        if (c.f == WFormat::F32 && mode == DType::BF16) continue;
+        SCOPED_TRACE(testing::Message() << "fmt " << static_cast<int>(c.f) << " N " << c.N << " K " << c.K << " T "
+                                        << T << " mode " << static_cast<int>(mode));
+        twin::OwnedMatrix W = twin::random_matrix(c.f, c.N, c.K, 32, rng);
+        std::vector<float> x = twin::random_acts(T, c.K, rng, mode == DType::BF16);
+        std::vector<float> ref(static_cast<size_t>(T * c.N)), abs(ref.size());
+        twin::linear(x.data(), T, c.K, W.q, true, 32, 1, mode == DType::BF16, ref.data(), c.N, abs.data());
+        DevMatrix dW = upload(W.q);
+        DeviceBuffer dx = upload_acts(x, mode), dy(ref.size() * cuda::dtype_size(mode));
+        cuda::GemmOpts o;
+        o.compute = mode;
+        DeviceBuffer ws(cuda::gemm_ws_bytes(dW.q, T, o));
+        cuda::gemm(dW.q, mode, dx.get(), c.K, T, mode, dy.get(), c.N, o, ws.get(), ws.size(), nullptr);
+        DSX_CUDA_CHECK(cudaDeviceSynchronize());
+        std::vector<float> got = download_acts(dy, ref.size(), mode);
+        // tensor-core bf16 products are exact; allow a little more for their f32 accumulation
+        expect_close(got, ref, abs, mode == DType::BF16 ? 5e-5 : kSumTol, mode == DType::BF16 ? kBf16Ulp : 0.0,
+                     "gemm");
+      }
+}
+
+TEST(CudaGemm, GroupedAndMixedTypes) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(13);
+  // grouped wo_a (no QA8) through the strided-batched path
+  for (DType mode : {DType::F32, DType::BF16}) {
+    const int G = 8;
+    const int64_t N = 8192, K = 4096, T = 20;
+    twin::OwnedMatrix W = twin::random_matrix(WFormat::FP8_BLOCK, N, K, 32, rng);
+    std::vector<float> x = twin::random_acts(T, G * K, rng, mode == DType::BF16);
+    std::vector<float> ref(static_cast<size_t>(T * N)), abs(ref.size());
+    twin::linear(x.data(), T, G * K, W.q, false, 32, G, mode == DType::BF16, ref.data(), N, abs.data());
+    DevMatrix dW = upload(W.q);
+    DeviceBuffer dx = upload_acts(x, mode), dy(ref.size() * cuda::dtype_size(mode));
+    cuda::GemmOpts o;
+    o.qa8 = false;
+    o.groups = G;
+    o.compute = mode;
+    DeviceBuffer ws(cuda::gemm_ws_bytes(dW.q, static_cast<int>(T), o));
+    cuda::gemm(dW.q, mode, dx.get(), G * K, static_cast<int>(T), mode, dy.get(), N, o, ws.get(), ws.size(), nullptr);
+    DSX_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<float> got = download_acts(dy, ref.size(), mode);
+    expect_close(got, ref, abs, mode == DType::BF16 ? 5e-5 : kSumTol, mode == DType::BF16 ? kBf16Ulp : 0.0,
+                 "grouped gemm");
+  }
+  // f32 activations without QA8 against bf16 weights: falls back to f32 compute; bf16 output
+  {
+    const int64_t N = 384, K = 5120, T = 9;
+    twin::OwnedMatrix W = twin::random_matrix(WFormat::BF16, N, K, 32, rng);
+    std::vector<float> x = twin::random_acts(T, K, rng, false);
+    std::vector<float> ref(static_cast<size_t>(T * N)), abs(ref.size());
+    twin::linear(x.data(), T, K, W.q, false, 32, 1, true, ref.data(), N, abs.data());
+    DevMatrix dW = upload(W.q);
+    DeviceBuffer dx = upload_acts(x, DType::F32), dy(ref.size() * 2);
+    cuda::GemmOpts o;
+    EXPECT_EQ(cuda::gemm_compute_type(dW.q, DType::F32, o), DType::F32);
+    DeviceBuffer ws(cuda::gemm_ws_bytes(dW.q, static_cast<int>(T), o));
+    cuda::gemm(dW.q, DType::F32, dx.get(), K, static_cast<int>(T), DType::BF16, dy.get(), N, o, ws.get(), ws.size(),
+               nullptr);
+    std::vector<float> got = download_acts(dy, ref.size(), DType::BF16);
+    expect_close(got, ref, abs, kSumTol, kBf16Ulp, "f32 fallback");
+  }
+}
+
+// ---------------------------------------------------------------------------------
+namespace {
+void run_router_case(int64_t E, int64_t D, int topk, int T, bool with_bias, DType xt, const cuda::RouterOpts& ro,
+                     std::mt19937_64& rng) {
+  SCOPED_TRACE(testing::Message() << "E " << E << " D " << D << " k " << topk << " T " << T << " bias " << with_bias);
+  twin::RandomSpec sp;
+  sp.sigma = 0.02f;
+  twin::OwnedMatrix G = twin::random_matrix(WFormat::BF16, E, D, 32, rng, sp);
+  std::vector<float> x = twin::random_acts(T, D, rng, xt == DType::BF16, -2, 1);
+  std::vector<float> bias(static_cast<size_t>(E));
+  std::normal_distribution<float> nd(0.0f, 0.3f);
+  for (auto& b : bias) b = nd(rng);
+  // logits on the CPU (LinF32) and their magnitude
+  std::vector<float> z(static_cast<size_t>(T * E)), abs(z.size());
+  twin::linear(x.data(), T, D, G.q, false, 32, 1, false, z.data(), E, abs.data());
+
+  DevMatrix dG = upload(G.q);
+  DeviceBuffer dx = upload_acts(x, xt), db(bias.size() * 4), dz(z.size() * 4), di(static_cast<size_t>(T * topk) * 4),
+      dw(static_cast<size_t>(T * topk) * 4);
+  db.upload(bias.data(), bias.size() * 4);
+  cuda::router(xt, dx.get(), D, T, dG.q, with_bias ? db.as<float>() : nullptr, topk, ro, dz.as<float>(),
+               di.as<int32_t>(), dw.as<float>(), nullptr);
+  DSX_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<float> gz(z.size()), gw(static_cast<size_t>(T * topk));
+  std::vector<int32_t> gi(static_cast<size_t>(T * topk));
+  dz.download(gz.data(), gz.size() * 4);
+  di.download(gi.data(), gi.size() * 4);
+  dw.download(gw.data(), gw.size() * 4);
+  expect_close(gz, z, abs, kSumTol, 0.0, "router logits");
+  // selection and weights: twin on the GPU's logits (summation order taken out)
+  std::vector<int32_t> ri(gi.size());
+  std::vector<float> rw(gw.size());
+  twin::router(gz.data(), T, E, with_bias ? bias.data() : nullptr, topk, ro.gate_temp, ro.norm_topk_prob,
+               ro.route_scale, ri.data(), rw.data());
+  for (int t = 0; t < T; ++t)
+    for (int k = 0; k < topk; ++k) {
+      const size_t i = static_cast<size_t>(t * topk + k);
+      // softplus / sqrt may differ by an ulp or two between libm and CUDA: only a
+      // near-tie (relative gap < 1e-6) could legitimately change the order
+      if (gi[i] != ri[i]) {
+        auto score = [&](int e) {
+          const float v = gz[static_cast<size_t>(t * E + e)] / ro.gate_temp;
+          return std::sqrt(cpu::softplus(v)) + (with_bias ? bias[static_cast<size_t>(e)] : 0.0f);
+        };
+        const float a = score(gi[i]), b = score(ri[i]);
+        EXPECT_LE(std::fabs(a - b), 1e-6f * std::max(std::fabs(a), std::fabs(b)))
+            << "token " << t << " slot " << k << " gpu expert " << gi[i] << " cpu expert " << ri[i];
+      } else {
+        EXPECT_NEAR(gw[i], rw[i], 2e-6 * std::fabs(rw[i]) + 1e-30) << "token " << t << " slot " << k;
+      }
+    }
+}
+}  // namespace
+
+TEST(CudaRouter, MatchesTwin) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(21);
+  cuda::RouterOpts ro;
+  for (DType xt : {DType::F32, DType::BF16}) {
+    run_router_case(384, 5120, 6, 1, true, xt, ro, rng);
+    run_router_case(384, 5120, 6, 5, true, xt, ro, rng);
+    run_router_case(8, 256, 2, 3, true, xt, ro, rng);
+    run_router_case(128, 5120, 3, 2, false, xt, ro, rng);
+  }
+  cuda::RouterOpts r2;
+  r2.gate_temp = 0.7f;
+  r2.norm_topk_prob = false;
+  r2.route_scale = 2.5f;
+  run_router_case(384, 5120, 8, 4, true, DType::BF16, r2, rng);
+  run_router_case(64, 256, 1, 4, true, DType::F32, ro, rng);
+}
+
+TEST(CudaRouter, TiesPreferLowerId) {
+  SKIP_WITHOUT_GPU();
+  const int E = 300, T = 2, k = 6;
+  std::vector<float> z(static_cast<size_t>(T * E), -3.0f);
+  for (int e : {5, 17, 200, 299, 3}) z[static_cast<size_t>(e)] = 2.0f;  // token 0: 5 tied winners
+  z[100] = 1.0f;
+  for (int e = 0; e < E; ++e) z[static_cast<size_t>(E + e)] = 0.5f;  // token 1: all tied
+  DeviceBuffer dz(z.size() * 4), di(static_cast<size_t>(T * k) * 4), dw(static_cast<size_t>(T * k) * 4);
+  dz.upload(z.data(), z.size() * 4);
+  cuda::RouterOpts ro;
+  cuda::router_select(dz.as<float>(), E, T, E, nullptr, k, ro, di.as<int32_t>(), dw.as<float>(), nullptr);
+  std::vector<int32_t> gi(static_cast<size_t>(T * k));
+  di.download(gi.data(), gi.size() * 4);
+  const std::vector<int32_t> want0 = {3, 5, 17, 200, 299, 100}, want1 = {0, 1, 2, 3, 4, 5};
+  for (int i = 0; i < k; ++i) {
+    EXPECT_EQ(gi[static_cast<size_t>(i)], want0[static_cast<size_t>(i)]) << i;
+    EXPECT_EQ(gi[static_cast<size_t>(k + i)], want1[static_cast<size_t>(i)]) << i;
+  }
+}
+
+#endif  // DSX_HAVE_CUDA

@@ -1,0 +1,410 @@
+// CUDA MoE kernels (moe_decode, moe_prefill, with the router) against the CPU twin
+// (src/kernels/cpu/twin_linear: the MoE of V41Cpu::moe with the BF16-mode rounding points).
+//
+// How results are compared:
+//  * Stage 1, the QA8'd hidden vectors h (moe_decode's workspace): the GPU's silu uses
+//    CUDA's expf and its gate/up sums another order, so h may differ from the CPU's in the
+//    last f32 bits; QA8 then maps it to the same e4m3 code except when it sits at a rounding
+//    boundary (rare). Required: nearly all values bit-identical, the others within one e4m3
+//    step (2^-3 relative, or the block's smallest subnormal step).
+//  * Stage 2, the output: the twin recomputes the down projections and the combine from the
+//    GPU's own h, so only the f32 summation order differs: |gpu - cpu| <= 2e-5 sum|h'W2|,
+//    plus in BF16 mode one bf16 ulp of every rounded expert output and of the sum.
+//  * Prefill vs decode: inputs chosen so that every gate/up sum is exact in f32 in any order
+//    (integer activations, unit weight scales, restricted e4m3 codes), so both paths see the
+//    same h bit for bit and the outputs differ only by the down projections' summation order.
+#ifdef DSX_HAVE_CUDA
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "kernels/cpu/twin_linear.h"
+#include "kernels/cuda/cuda_util.h"
+#include "kernels/cuda/moe.h"
+#include "kernels/cuda/router.h"
+#include "util/numerics.h"
+
+using namespace dsx;
+using dsx::cuda::DeviceBuffer;
+using dsx::cuda::DType;
+namespace twin = dsx::cpu::twin;
+
+namespace {
+
+#define SKIP_WITHOUT_GPU() \
+  if (!dsx::cuda::device_available()) GTEST_SKIP() << "no CUDA device"
+
+int64_t data_bytes(const QMatrix& W) {
+  switch (W.fmt) {
+    case WFormat::F32: return W.rows * W.cols * 4;
+    case WFormat::BF16: return W.rows * W.cols * 2;
+    case WFormat::FP8_BLOCK: return W.rows * W.cols;
+    case WFormat::MXFP4: return W.rows * W.cols / 2;
+  }
+  return 0;
+}
+int64_t scale_bytes(const QMatrix& W) {
+  if (W.fmt == WFormat::FP8_BLOCK) return ((W.rows + W.block - 1) / W.block) * ((W.cols + W.block - 1) / W.block);
+  if (W.fmt == WFormat::MXFP4) return W.rows * (W.cols / 32);
+  return 0;
+}
+
+struct DevMatrix {
+  DeviceBuffer data, scale;
+  QMatrix q;
+};
+DevMatrix upload(const QMatrix& h) {
+  DevMatrix d;
+  d.q = h;
+  d.data.alloc(static_cast<size_t>(data_bytes(h)));
+  d.data.upload(h.data, d.data.size());
+  d.q.data = d.data.as<uint8_t>();
+  d.q.scale = nullptr;
+  if (scale_bytes(h) > 0) {
+    d.scale.alloc(static_cast<size_t>(scale_bytes(h)));
+    d.scale.upload(h.scale, d.scale.size());
+    d.q.scale = d.scale.as<uint8_t>();
+  }
+  return d;
+}
+
+DeviceBuffer upload_acts(const std::vector<float>& x, DType t) {
+  DeviceBuffer b(x.size() * cuda::dtype_size(t));
+  if (t == DType::F32) {
+    b.upload(x.data(), x.size() * 4);
+  } else {
+    std::vector<uint16_t> h(x.size());
+    for (size_t i = 0; i < x.size(); ++i) h[i] = f32_to_bf16(x[i]);
+    b.upload(h.data(), h.size() * 2);
+  }
+  return b;
+}
+
+std::vector<float> download_acts(const DeviceBuffer& b, size_t n, DType t) {
+  std::vector<float> v(n);
+  if (t == DType::F32) {
+    b.download(v.data(), n * 4);
+  } else {
+    std::vector<uint16_t> h(n);
+    b.download(h.data(), n * 2);
+    for (size_t i = 0; i < n; ++i) v[i] = bf16_to_f32(h[i]);
+  }
+  return v;
+}
+
+constexpr double kSumTol = 2e-5;
+constexpr double kBf16Ulp = 1.0 / 128.0;
+
+// |got - ref| <= 2e-5 * abs (+ bf16: 2^-7 * (mag + |ref|)).
+void expect_output(const std::vector<float>& got, const std::vector<float>& ref, const std::vector<float>& abs,
+                   const std::vector<float>& mag, bool bf16, const std::string& what) {
+  ASSERT_EQ(got.size(), ref.size());
+  int bad = 0;
+  double worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double d = std::fabs(static_cast<double>(got[i]) - ref[i]);
+    const double tol = kSumTol * abs[i] + (bf16 ? kBf16Ulp * (mag[i] + std::fabs(ref[i])) : 0.0) + 1e-30;
+    worst = std::max(worst, d / tol);
+    if (!(d <= tol) && ++bad <= 5)
+      ADD_FAILURE() << what << ": element " << i << " gpu " << got[i] << " cpu " << ref[i] << " tol " << tol;
+  }
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << got.size() << " outside tolerance (worst ratio " << worst << ")";
+}
+
+// Stage-1 comparison of QA8'd hidden vectors (see the file comment).
+void expect_hidden(const std::vector<float>& got, const std::vector<float>& ref, int qblock, const std::string& what) {
+  ASSERT_EQ(got.size(), ref.size());
+  size_t differ = 0;
+  int bad = 0;
+  for (size_t b0 = 0; b0 < ref.size(); b0 += static_cast<size_t>(qblock)) {
+    float amax = 0;
+    for (size_t i = b0; i < b0 + static_cast<size_t>(qblock); ++i) amax = std::max(amax, std::fabs(ref[i]));
+    for (size_t i = b0; i < b0 + static_cast<size_t>(qblock); ++i) {
+      if (got[i] == ref[i]) continue;
+      ++differ;
+      const double d = std::fabs(static_cast<double>(got[i]) - ref[i]);
+      const double tol = 0.13 * std::max(std::fabs(got[i]), std::fabs(ref[i])) + 1e-5 * amax;
+      if (!(d <= tol) && ++bad <= 5)
+        ADD_FAILURE() << what << ": hidden " << i << " gpu " << got[i] << " cpu " << ref[i];
+    }
+  }
+  EXPECT_EQ(bad, 0) << what;
+  EXPECT_LE(differ, std::max<size_t>(8, ref.size() / 100)) << what << ": too many hidden values differ";
+}
+
+struct MoeSetup {
+  int E = 0;
+  int64_t D = 0, I = 0;
+  std::vector<twin::OwnedMatrix> w1, w3, w2;
+  twin::OwnedMatrix sw1, sw3, sw2;
+  std::vector<DevMatrix> d1, d3, d2;
+  DevMatrix ds1, ds3, ds2;
+  DeviceBuffer p[6];
+  cuda::MoeLayer layer;
+  twin::MoeTwinLayer tw;
+};
+
+// exact: weights chosen so that gate / up sums of integer activations in [-7, 7] are exact.
+std::unique_ptr<MoeSetup> make_moe(int E, int64_t D, int64_t I, bool shared, int qblock, int tile, bool exact,
+                                   std::mt19937_64& rng) {
+  auto m = std::make_unique<MoeSetup>();
+  m->E = E;
+  m->D = D;
+  m->I = I;
+  twin::RandomSpec up4, up8;
+  if (exact) {
+    up4.scale_lo = up4.scale_hi = 127;
+    up8.scale_lo = up8.scale_hi = 127;
+    up8.e4m3_exp_lo = 6;
+    up8.e4m3_exp_hi = 10;
+  }
+  std::vector<const uint8_t*> ptr[6];
+  for (int e = 0; e < E; ++e) {
+    m->w1.push_back(twin::random_matrix(WFormat::MXFP4, I, D, 32, rng, up4));
+    m->w3.push_back(twin::random_matrix(WFormat::MXFP4, I, D, 32, rng, up4));
+    m->w2.push_back(twin::random_matrix(WFormat::MXFP4, D, I, 32, rng));
+  }
+  for (int e = 0; e < E; ++e) {
+    m->d1.push_back(upload(m->w1[static_cast<size_t>(e)].q));
+    m->d3.push_back(upload(m->w3[static_cast<size_t>(e)].q));
+    m->d2.push_back(upload(m->w2[static_cast<size_t>(e)].q));
+    ptr[0].push_back(m->d1.back().q.data);
+    ptr[1].push_back(m->d1.back().q.scale);
+    ptr[2].push_back(m->d3.back().q.data);
+    ptr[3].push_back(m->d3.back().q.scale);
+    ptr[4].push_back(m->d2.back().q.data);
+    ptr[5].push_back(m->d2.back().q.scale);
+    m->tw.w1.push_back(m->w1[static_cast<size_t>(e)].q);
+    m->tw.w3.push_back(m->w3[static_cast<size_t>(e)].q);
+    m->tw.w2.push_back(m->w2[static_cast<size_t>(e)].q);
+  }
+  for (int i = 0; i < 6; ++i) {
+    m->p[i].alloc(static_cast<size_t>(E) * sizeof(void*));
+    m->p[i].upload(ptr[i].data(), m->p[i].size());
+  }
+  cuda::MoeLayer& L = m->layer;
+  L.n_experts = E;
+  L.hidden = D;
+  L.inter = I;
+  L.w1 = m->p[0].as<const uint8_t*>();
+  L.w1_scale = m->p[1].as<const uint8_t*>();
+  L.w3 = m->p[2].as<const uint8_t*>();
+  L.w3_scale = m->p[3].as<const uint8_t*>();
+  L.w2 = m->p[4].as<const uint8_t*>();
+  L.w2_scale = m->p[5].as<const uint8_t*>();
+  L.qblock = qblock;
+  L.swiglu_limit = 10.0f;
+  m->tw.qblock = qblock;
+  m->tw.swiglu_limit = 10.0f;
+  if (shared) {
+    m->sw1 = twin::random_matrix(WFormat::FP8_BLOCK, I, D, tile, rng, up8);
+    m->sw3 = twin::random_matrix(WFormat::FP8_BLOCK, I, D, tile, rng, up8);
+    m->sw2 = twin::random_matrix(WFormat::FP8_BLOCK, D, I, tile, rng);
+    m->ds1 = upload(m->sw1.q);
+    m->ds3 = upload(m->sw3.q);
+    m->ds2 = upload(m->sw2.q);
+    L.shared_w1 = m->ds1.q;
+    L.shared_w3 = m->ds3.q;
+    L.shared_w2 = m->ds2.q;
+    m->tw.sw1 = m->sw1.q;
+    m->tw.sw3 = m->sw3.q;
+    m->tw.sw2 = m->sw2.q;
+  }
+  return m;
+}
+
+// Random distinct experts per token and positive weights.
+void random_routing(int T, int E, int topk, std::mt19937_64& rng, std::vector<int32_t>& ids, std::vector<float>& w) {
+  ids.resize(static_cast<size_t>(T * topk));
+  w.resize(ids.size());
+  std::vector<int32_t> all(static_cast<size_t>(E));
+  std::uniform_real_distribution<float> ud(0.05f, 0.6f);
+  for (int t = 0; t < T; ++t) {
+    std::iota(all.begin(), all.end(), 0);
+    std::shuffle(all.begin(), all.end(), rng);
+    for (int k = 0; k < topk; ++k) {
+      ids[static_cast<size_t>(t * topk + k)] = all[static_cast<size_t>(k)];
+      w[static_cast<size_t>(t * topk + k)] = ud(rng);
+    }
+  }
+}
+
+std::vector<float> integer_acts(int64_t n, std::mt19937_64& rng) {
+  std::vector<float> x(static_cast<size_t>(n));
+  std::uniform_int_distribution<int> d(-7, 7);
+  for (auto& v : x) v = static_cast<float>(d(rng));
+  return x;
+}
+
+struct DecodeResult {
+  std::vector<float> y, hq;
+};
+
+DecodeResult run_decode(const MoeSetup& m, const std::vector<float>& x, int T, int topk, const std::vector<int32_t>& ids,
+                        const std::vector<float>& w, DType mode, const int32_t* dev_ids = nullptr,
+                        const float* dev_w = nullptr) {
+  const int S = topk + (m.layer.shared_w1.data ? 1 : 0);
+  DeviceBuffer dx = upload_acts(x, mode), dy(static_cast<size_t>(T * m.D) * cuda::dtype_size(mode));
+  DeviceBuffer di(ids.size() * 4), dw(w.size() * 4);
+  if (!dev_ids) {
+    di.upload(ids.data(), ids.size() * 4);
+    dw.upload(w.data(), w.size() * 4);
+    dev_ids = di.as<int32_t>();
+    dev_w = dw.as<float>();
+  }
+  const size_t wsb = cuda::moe_decode_ws_bytes(m.layer, T, topk);
+  DeviceBuffer ws(wsb);
+  cuda::moe_decode(m.layer, mode, dx.get(), m.D, T, topk, dev_ids, dev_w, mode, dy.get(), m.D, ws.get(), wsb, nullptr);
+  DSX_CUDA_CHECK(cudaDeviceSynchronize());
+  DecodeResult r;
+  r.y = download_acts(dy, static_cast<size_t>(T * m.D), mode);
+  r.hq.resize(static_cast<size_t>(T) * S * m.I);
+  ws.download(r.hq.data(), r.hq.size() * 4);
+  return r;
+}
+
+std::vector<float> run_prefill(const MoeSetup& m, const std::vector<float>& x, int T, int topk,
+                               const std::vector<int32_t>& ids, const std::vector<float>& w, DType mode, int gmin) {
+  DeviceBuffer dx = upload_acts(x, mode), dy(static_cast<size_t>(T * m.D) * cuda::dtype_size(mode));
+  DeviceBuffer di(ids.size() * 4), dw(w.size() * 4);
+  di.upload(ids.data(), ids.size() * 4);
+  dw.upload(w.data(), w.size() * 4);
+  const size_t wsb = cuda::moe_prefill_ws_bytes(m.layer, T, topk);
+  DeviceBuffer ws(wsb);
+  cuda::MoePrefillOpts o;
+  o.gemm_min_tokens = gmin;
+  cuda::moe_prefill(m.layer, mode, dx.get(), m.D, T, topk, di.as<int32_t>(), dw.as<float>(), mode, dy.get(), m.D,
+                    ws.get(), wsb, nullptr, o);
+  DSX_CUDA_CHECK(cudaDeviceSynchronize());
+  return download_acts(dy, static_cast<size_t>(T * m.D), mode);
+}
+
+// Decode against the twin, both stages.
+void check_decode(const MoeSetup& m, int T, int topk, DType mode, std::mt19937_64& rng, bool integer_inputs = false) {
+  SCOPED_TRACE(testing::Message() << "E " << m.E << " D " << m.D << " I " << m.I << " k " << topk << " T " << T
+                                  << " mode " << (mode == DType::BF16 ? "bf16" : "f32"));
+  const bool bf16 = mode == DType::BF16;
+  std::vector<float> x = integer_inputs ? integer_acts(T * m.D, rng) : twin::random_acts(T, m.D, rng, bf16, -3, 1);
+  std::vector<int32_t> ids;
+  std::vector<float> w;
+  random_routing(T, m.E, topk, rng, ids, w);
+  std::vector<float> ref(static_cast<size_t>(T * m.D)), hq_ref;
+  twin::moe(x.data(), T, m.D, m.I, topk, ids.data(), w.data(), m.tw, bf16, ref.data(), &hq_ref);
+  DecodeResult g = run_decode(m, x, T, topk, ids, w, mode);
+  expect_hidden(g.hq, hq_ref, m.layer.qblock, "decode hidden");
+  std::vector<float> ref2(ref.size()), mag, abs;
+  twin::moe_down(g.hq.data(), T, m.D, m.I, topk, ids.data(), m.tw, bf16, ref2.data(), &mag, &abs);
+  expect_output(g.y, ref2, abs, mag, bf16, "decode output");
+}
+
+}  // namespace
+
+TEST(CudaMoe, DecodeTinyMatchesTwin) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(31);
+  auto m = make_moe(8, 256, 64, true, 32, 32, false, rng);
+  for (DType mode : {DType::F32, DType::BF16})
+    for (int T : {1, 2, 5}) check_decode(*m, T, 2, mode, rng);
+  for (int T : {1, 3}) check_decode(*m, T, 8, DType::BF16, rng);  // every expert
+}
+
+TEST(CudaMoe, DecodeReleaseShapesMatchTwin) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(32);
+  auto m = make_moe(8, 5120, 2304, true, 32, 32, false, rng);
+  for (DType mode : {DType::F32, DType::BF16})
+    for (int T : {1, 2}) check_decode(*m, T, 6, mode, rng);
+}
+
+TEST(CudaMoe, DecodeWithoutSharedAndQBlock128) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(33);
+  auto a = make_moe(6, 512, 256, false, 32, 32, false, rng);
+  for (DType mode : {DType::F32, DType::BF16}) check_decode(*a, 3, 3, mode, rng);
+  auto b = make_moe(8, 512, 256, true, 128, 128, false, rng);  // V4-style blocks
+  for (DType mode : {DType::F32, DType::BF16}) check_decode(*b, 2, 4, mode, rng);
+}
+
+TEST(CudaMoe, PrefillMatchesDecode) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(34);
+  struct C {
+    int E;
+    int64_t D, I;
+    int topk, T;
+  } cases[] = {{8, 256, 64, 2, 37}, {16, 1024, 512, 6, 40}};
+  for (const C& c : cases) {
+    auto m = make_moe(c.E, c.D, c.I, true, 32, 32, true, rng);
+    for (DType mode : {DType::F32, DType::BF16}) {
+      const bool bf16 = mode == DType::BF16;
+      std::vector<float> x = integer_acts(c.T * c.D, rng);
+      std::vector<int32_t> ids;
+      std::vector<float> w;
+      random_routing(c.T, c.E, c.topk, rng, ids, w);
+      // leave expert 1 unused (its slots go to the lowest free id, which gets popular)
+      for (int t = 0; t < c.T; ++t) {
+        int32_t* r = ids.data() + static_cast<size_t>(t) * c.topk;
+        for (int k = 0; k < c.topk; ++k)
+          if (r[k] == 1)
+            for (int32_t e = 0; e < c.E; ++e)
+              if (e != 1 && std::find(r, r + c.topk, e) == r + c.topk) {
+                r[k] = e;
+                break;
+              }
+      }
+      DecodeResult d = run_decode(*m, x, c.T, c.topk, ids, w, mode);
+      std::vector<float> ref2(static_cast<size_t>(c.T * c.D)), mag, abs;
+      twin::moe_down(d.hq.data(), c.T, c.D, c.I, c.topk, ids.data(), m->tw, bf16, ref2.data(), &mag, &abs);
+      expect_output(d.y, ref2, abs, mag, bf16, "decode vs twin");
+      for (int gmin : {1, 4, 1000}) {
+        SCOPED_TRACE(testing::Message() << "E " << c.E << " D " << c.D << " gemm_min_tokens " << gmin << " mode "
+                                        << (bf16 ? "bf16" : "f32"));
+        std::vector<float> p = run_prefill(*m, x, c.T, c.topk, ids, w, mode, gmin);
+        // tensor-core bf16 GEMMs accumulate in f32 with their own order: a little more room
+        std::vector<float> abs2 = abs;
+        for (auto& v : abs2) v *= 2.5f;
+        expect_output(p, d.y, abs2, mag, bf16, "prefill vs decode");
+      }
+    }
+  }
+}
+
+TEST(CudaMoe, RouterFeedsDecode) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(35);
+  const int E = 8, topk = 2, T = 4;
+  const int64_t D = 256, I = 64;
+  auto m = make_moe(E, D, I, true, 32, 32, false, rng);
+  twin::RandomSpec gs;
+  gs.sigma = 0.02f;
+  twin::OwnedMatrix gate = twin::random_matrix(WFormat::BF16, E, D, 32, rng, gs);
+  DevMatrix dg = upload(gate.q);
+  std::vector<float> bias(static_cast<size_t>(E), 0.01f);
+  DeviceBuffer db(bias.size() * 4), dz(static_cast<size_t>(T * E) * 4), di(static_cast<size_t>(T * topk) * 4),
+      dw(static_cast<size_t>(T * topk) * 4);
+  db.upload(bias.data(), bias.size() * 4);
+  for (DType mode : {DType::F32, DType::BF16}) {
+    std::vector<float> x = twin::random_acts(T, D, rng, mode == DType::BF16, -2, 1);
+    DeviceBuffer dx = upload_acts(x, mode);
+    cuda::router(mode, dx.get(), D, T, dg.q, db.as<float>(), topk, cuda::RouterOpts{}, dz.as<float>(),
+                 di.as<int32_t>(), dw.as<float>(), nullptr);
+    std::vector<int32_t> ids(static_cast<size_t>(T * topk));
+    std::vector<float> w(ids.size());
+    di.download(ids.data(), ids.size() * 4);
+    dw.download(w.data(), w.size() * 4);
+    DecodeResult g = run_decode(*m, x, T, topk, ids, w, mode, di.as<int32_t>(), dw.as<float>());
+    std::vector<float> ref(static_cast<size_t>(T * D)), hq_ref;
+    twin::moe(x.data(), T, D, I, topk, ids.data(), w.data(), m->tw, mode == DType::BF16, ref.data(), &hq_ref);
+    expect_hidden(g.hq, hq_ref, 32, "router+moe hidden");
+    std::vector<float> ref2(ref.size()), mag, abs;
+    twin::moe_down(g.hq.data(), T, D, I, topk, ids.data(), m->tw, mode == DType::BF16, ref2.data(), &mag, &abs);
+    expect_output(g.y, ref2, abs, mag, mode == DType::BF16, "router+moe output");
+  }
+}
+
+#endif  // DSX_HAVE_CUDA
