@@ -48,8 +48,12 @@ std::vector<int64_t> parse_frontiers(const std::string& s) {
 int cmd_bench(int argc, char** argv) {
   Args a(argc, argv,
          {"-m", "--backend", "--precision", "--threads", "--frontiers", "--chunk", "--decode-tokens", "--csv", "--svg",
-          "--seed", "--synthetic", "--layers"},
+          "--seed", "--synthetic", "--layers", "--prefill-max"},
          {});
+  // Intervals longer than --prefill-max tokens are prefilled only for their last
+  // --prefill-max tokens; the rest is filled with random cache contents
+  // (synthetic_fill) when the backend supports it. 0 = always prefill.
+  const int64_t prefill_max = a.get_int("--prefill-max", 0);
   EngineOptions o;
   o.backend = a.get_or("--backend", "cpu");
   o.precision = a.get_or("--precision", "fp32");
@@ -94,6 +98,13 @@ int cmd_bench(int argc, char** argv) {
     BenchRow r;
     r.context = f;
     // incremental prefill from the previous frontier
+    if (prefill_max > 0 && f - s->position() > prefill_max) {
+      const int64_t jump = f - s->position() - prefill_max;
+      if (!s->synthetic_fill(jump, static_cast<uint64_t>(f)))
+        fail("--prefill-max: this backend cannot fill a context synthetically");
+      std::printf("# context %lld: %lld tokens filled with random cache contents, %lld prefilled\n", (long long)f,
+                  (long long)jump, (long long)prefill_max);
+    }
     const int64_t from = s->position();
     std::vector<int32_t> ids(static_cast<size_t>(f - from));
     for (auto& x : ids) x = tok(rng);

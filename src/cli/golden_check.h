@@ -23,6 +23,8 @@ struct GoldenReport {
   std::string case_name;
   int64_t T = 0, T0 = 0, N = 0;
   PathAgreement prefill, incremental;
+  int64_t argmax_prefill = 0;        // rows whose prefill argmax equals the golden's
+  int64_t argmax_incremental = 0;
   int64_t greedy_match = 0;          // leading greedy tokens equal to the golden ones
   bool greedy_required = false;      // prefill agrees on every row -> first 8 must match
   bool greedy_ok = true;
@@ -40,6 +42,9 @@ bool is_v4_golden_case(const std::string& dir);
 // With explain=true (CPU only) re-runs the prefill capturing decisions to
 // describe the first divergence.
 GoldenReport check_golden_case(const std::string& case_dir, Engine& engine, bool explain);
+
+// Prefill logits of a golden case's prompt on `engine` ([T, vocab]).
+std::vector<float> golden_prefill_logits(const std::string& case_dir, Engine& engine);
 
 double row_rel_l2(const float* a, const float* b, int64_t n);
 

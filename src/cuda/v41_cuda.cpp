@@ -8,7 +8,11 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
 #include <mutex>
+#include <random>
 
 #include "cuda/step_kernels.h"
 #include "kernels/cuda/attention.h"
@@ -332,6 +336,57 @@ std::unique_ptr<DeviceModel> DeviceModel::synthetic(const ModelConfig& cfg, Act 
 }
 
 // ---------------------------------------------------------------------------
+// Optional per-stage timing of a forward step (DSX_PROFILE=1; decode then runs
+// eagerly, without the graph): events between stages, summed per stage name.
+class StageTimer {
+ public:
+  StageTimer() : on_(std::getenv("DSX_PROFILE") != nullptr) {}
+  bool on() const { return on_; }
+  void set_active(bool a) { active_ = a; }  // only decode steps are profiled
+  void mark(const char* name, cudaStream_t s) {
+    if (!on_ || !active_) return;
+    cudaEvent_t e;
+    DSX_CUDA_CHECK(cudaEventCreate(&e));
+    DSX_CUDA_CHECK(cudaEventRecord(e, s));
+    marks_.push_back({name, e});
+  }
+  // Accumulates the recorded stages (synchronising) and clears them.
+  void collect() {
+    if (!on_ || marks_.empty()) return;
+    DSX_CUDA_CHECK(cudaEventSynchronize(marks_.back().second));
+    for (size_t i = 1; i < marks_.size(); ++i) {
+      float ms = 0;
+      DSX_CUDA_CHECK(cudaEventElapsedTime(&ms, marks_[i - 1].second, marks_[i].second));
+      auto& t = totals_[marks_[i].first];
+      t.first += ms;
+      t.second += 1;
+    }
+    for (auto& m : marks_) cudaEventDestroy(m.second);
+    marks_.clear();
+    ++steps_;
+  }
+  ~StageTimer() {
+    if (!on_ || steps_ == 0) return;
+    double total = 0;
+    for (const auto& [k, v] : totals_) total += v.first;
+    std::fprintf(stderr, "# DSX_PROFILE: %d steps, %.3f ms per step\n", steps_, total / steps_);
+    std::vector<std::pair<double, std::string>> rows;
+    for (const auto& [k, v] : totals_) rows.push_back({v.first, k});
+    std::sort(rows.rbegin(), rows.rend());
+    for (const auto& [ms, k] : rows)
+      std::fprintf(stderr, "#   %-22s %9.1f us/step %6.1f%%  (%d launches/step)\n", k.c_str(), 1000 * ms / steps_,
+                   100 * ms / total, totals_[k].second / steps_);
+  }
+
+ private:
+  bool on_;
+  bool active_ = false;
+  int steps_ = 0;
+  std::vector<std::pair<const char*, cudaEvent_t>> marks_;
+  std::map<std::string, std::pair<double, int>> totals_;
+};
+
+// ---------------------------------------------------------------------------
 // One sequence on the device.
 class CudaSession : public Session {
  public:
@@ -345,6 +400,7 @@ class CudaSession : public Session {
   void restore(const std::vector<uint8_t>& snapshot) override;
   void rollback(int64_t position) override;
   int64_t state_bytes() const override { return static_cast<int64_t>(cache_.geometry().device_bytes()); }
+  bool synthetic_fill(int64_t n, uint64_t seed) override;
 
  private:
   void step(const int32_t* ids, int T, bool all_rows);  // enqueue inputs, run, advance
@@ -402,6 +458,7 @@ class CudaSession : public Session {
   // decode graph
   cudaGraphExec_t graph_ = nullptr;
   int decode_steps_ = 0;
+  StageTimer prof_;
 };
 
 CudaSession::CudaSession(const DeviceModel& m, const EngineOptions& o)
@@ -584,8 +641,11 @@ void CudaSession::stage_engram(const int32_t* ids, int T) {
 
 void CudaSession::forward(int T, bool all_rows) {
   const int64_t D = c_.hidden, M = c_.hc_mult, V = c_.vocab_size;
+  prof_.set_active(T == 1);
+  prof_.mark("start", stream_);
   embed_streams(act_, reinterpret_cast<const uint16_t*>(m_.embed.data), d_ids_, T, static_cast<int>(M), D, X_, stream_);
   onehot_pre(pre0_, T, static_cast<int>(M), stream_);
+  prof_.mark("embed", stream_);
   const float* pre = pre0_;
   // the pending expansion of the previous sublayer (spec §3.3.2)
   const void* pend_y = nullptr;
@@ -612,6 +672,7 @@ void CudaSession::forward(int T, bool all_rows) {
       }
       lin(L.engram_wkv, u_, static_cast<int64_t>(nc) * ed, T, act_, yE_, (M + 1) * D, true);
       engram_gate(act_, T, static_cast<int>(M), D, yE_, X_, L.engram_w, c_.rms_eps, stream_);
+      prof_.mark("engram", stream_);
     }
     // site transition into the attention: expand (pending), mix (attn), collapse (pre)
     {
@@ -626,6 +687,7 @@ void CudaSession::forward(int T, bool all_rows) {
       fz.pre = pa_, fz.post = qa_, fz.comb = Ca_;
       fz.collapsed = a_, fz.norm_w = L.attn_norm, fz.norm_out = a_;
       hc_finish(act_, fz, stream_);
+      prof_.mark("hc", stream_);
     }
     attention(l, T);  // writes y_
     {
@@ -640,6 +702,7 @@ void CudaSession::forward(int T, bool all_rows) {
       fz.pre = pf_, fz.post = qf_, fz.comb = Cf_;
       fz.collapsed = f_, fz.norm_w = L.ffn_norm, fz.norm_out = f_;
       hc_finish(act_, fz, stream_);
+      prof_.mark("hc", stream_);
     }
     moe(l, T);  // writes y_
     pend_y = y_, pend_post = qf_, pend_comb = Cf_;
@@ -656,12 +719,15 @@ void CudaSession::forward(int T, bool all_rows) {
     fz.collapsed = h_, fz.norm_w = m_.norm, fz.norm_out = h_;
     hc_finish(act_, fz, stream_);
   }
+  prof_.mark("final hc+norm", stream_);
   if (all_rows) {
     lin(m_.head, h_, D, T, Act::F32, logits_, V, false);
   } else {
     lin(m_.head, static_cast<char*>(h_) + static_cast<int64_t>(T - 1) * D * ab_, D, 1, Act::F32, logits_, V, false);
   }
   advance_pos(cache_.d_pos(), T, stream_);
+  prof_.mark("head", stream_);
+  prof_.collect();
 }
 
 // §3.4 attention of layer l for the chunk.
@@ -675,11 +741,14 @@ void CudaSession::attention(int l, int T) {
   // §3.4.1 queries
   lin(L.wq_a, a_, D, T, act_, q_lat_, ql, true);
   rmsnorm(act_, q_lat_, q_lat_, L.q_norm, T, static_cast<int>(ql), c_.rms_eps, nullptr, nullptr, stream_);
+  prof_.mark("wq_a+norm", stream_);
   lin(L.wq_b, q_lat_, ql, T, act_, q_, H * hd, true);
   rope(act_, q_, T, static_cast<int>(H), static_cast<int>(hd), np, inv_freq, cache_.d_pos(), false, stream_);
+  prof_.mark("wq_b+rope", stream_);
   // §3.4.2 window KV
   lin(L.wkv, a_, D, T, act_, kv_raw_, hd, true);
   kv_finish(act_, kv_raw_, L.kv_norm, c_.rms_eps, T, static_cast<int>(hd), np, inv_freq, cache_.d_pos(), chunk_, stream_);
+  prof_.mark("wkv+finish", stream_);
   // §3.4.3-3.4.6 compressed branch
   Fq4e4Rows cmp{};
   bool have_sel = false;
@@ -705,6 +774,7 @@ void CudaSession::attention(int l, int T) {
       if (r > 1)
         proj_store(kappa_, gamma_, T, static_cast<int>(hd), cache_.proj_kv(l), cache_.proj_gate(l),
                    cache_.geometry().proj_cap(l), cache_.d_pos(), stream_);
+      prof_.mark("compressor", stream_);
     }
     if (c_.is_index_source(l)) {
       const int64_t ih = c_.index_n_heads, ihd = c_.index_head_dim;
@@ -712,6 +782,7 @@ void CudaSession::attention(int l, int T) {
       rope_fq4e8(act_, idx_q_, idx_qf_, T, static_cast<int>(ih), static_cast<int>(ihd), np, m_.comp_inv_freq,
                  cache_.d_pos(), stream_);
       lin(L.idx_weights_proj, a_, D, T, act_, idx_w_, ih, false);
+      prof_.mark("indexer q/w", stream_);
       const bool is_cand = l == c_.candidate_source_layer;
       const bool uses_cand = c_.candidate_source_layer >= 0 && c_.candidate_source_layer < l;
       IndexerScoreArgs ia;
@@ -725,6 +796,7 @@ void CudaSession::attention(int l, int T) {
       }
       ia.scores = scores_, ia.ld = score_ld_, ia.counts = counts_, ia.d_pos = cache_.d_pos();
       indexer_scores(act_, ia, stream_);
+      prof_.mark("indexer scores", stream_);
       if (is_cand) {
         block_scores(T, scores_, score_ld_, counts_, c_.candidate_block_size, bscores_, block_ld_, bcounts_,
                      block_ld_, stream_);
@@ -734,6 +806,7 @@ void CudaSession::attention(int l, int T) {
       topk_select(T, scores_, score_ld_, counts_, c_.index_topk, uses_cand ? cand_ : nullptr,
                   uses_cand ? c_.candidate_topk_blocks : 0, uses_cand ? c_.candidate_block_size : 1, sel_,
                   c_.index_topk, sel_count_, stream_);
+      prof_.mark("top-k", stream_);
     }
     cmp = cache_.compressed(src);
     have_sel = true;
@@ -756,9 +829,12 @@ void CudaSession::attention(int l, int T) {
   }
   sparse_attention(act_, aa, stream_);
   window_store(chunk_, T, cache_.window(l), cache_.geometry().window_cap(), cache_.d_pos(), stream_);
+  prof_.mark("attention", stream_);
   // §3.4.8 grouped output projection, then wo_b
   lin(L.wo_a, o_, H * hd, T, act_, zeta_, G * ol, false, static_cast<int>(G));
+  prof_.mark("wo_a", stream_);
   lin(L.wo_b, zeta_, G * ol, T, act_, y_, D, true);
+  prof_.mark("wo_b", stream_);
 }
 
 // §3.5 mixture of experts.
@@ -771,11 +847,13 @@ void CudaSession::moe(int l, int T) {
   ro.norm_topk_prob = c_.norm_topk_prob;
   ro.route_scale = c_.routed_scaling;
   router(act_, f_, D, T, L.gate, L.gate_bias, K, ro, router_logits_, route_ids_, route_w_, stream_);
+  prof_.mark("router", stream_);
   if (T <= kGemvMaxT) {
     moe_decode(L.moe, act_, f_, D, T, K, route_ids_, route_w_, act_, y_, D, moe_ws_, moe_ws_bytes_, stream_);
   } else {
     moe_prefill(L.moe, act_, f_, D, T, K, route_ids_, route_w_, act_, y_, D, moe_ws_, moe_ws_bytes_, stream_);
   }
+  prof_.mark("moe", stream_);
 }
 
 void CudaSession::step(const int32_t* ids, int T, bool all_rows) {
@@ -789,7 +867,7 @@ void CudaSession::step(const int32_t* ids, int T, bool all_rows) {
   if (T == 1 && !all_rows) {
     // Decode: the first steps run eagerly (kernels set their launch attributes), then
     // the step is captured once as a CUDA graph and replayed.
-    if (!graph_ && decode_steps_ >= 1) {
+    if (!graph_ && decode_steps_ >= 1 && !prof_.on()) {
       cudaGraph_t g = nullptr;
       DSX_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
       try {
@@ -849,6 +927,32 @@ void CudaSession::restore(const std::vector<uint8_t>& snap) {
   cache_.upload(st, stream_);
   pos_ = st.pos;
   tokens_ = st.tokens;
+}
+
+bool CudaSession::synthetic_fill(int64_t n, uint64_t seed) {
+  if (pos_ + n > max_ctx_) fail("synthetic_fill: ", pos_ + n, " tokens exceed the capacity of ", max_ctx_);
+  const auto& g = cache_.geometry();
+  const int64_t hd = g.head_dim, id = g.idx_dim, end = pos_ + n;
+  uint64_t k = seed;
+  for (int l = 0; l < g.n_layers; ++l) {
+    const Fq8Rows w = cache_.window(l);
+    fill_random(w.codes, g.window_cap() * hd, 0, ++k, 0, 0, 0, 0, stream_);
+    fill_random(w.scales, g.window_cap() * hd / 32, 2, ++k, 0, 0, 120, 1, stream_);
+    if (g.source_ratio[static_cast<size_t>(l)] == 0) continue;
+    const int64_t rows = end / g.source_ratio[static_cast<size_t>(l)];
+    const Fq4e4Rows c = cache_.compressed(l);
+    fill_random(c.packed, rows * hd / 2, 1, ++k, 0, 0, 0, 0, stream_);
+    fill_random(c.scales, rows * hd / 16, 2, ++k, 0, 0, 0x30, 1, stream_);  // positive e4m3 scales
+    const Fq4e8Rows key = cache_.keys(l);
+    fill_random(key.packed, rows * id / 2, 1, ++k, 0, 0, 0, 0, stream_);
+    fill_random(key.scales, rows * id / 32, 2, ++k, 0, 0, 120, 1, stream_);
+  }
+  DSX_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  cache_.set_position(end, stream_);
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  for (int64_t i = 0; i < n; ++i) tokens_.push_back(3 + static_cast<int32_t>(rng() % 100000));
+  pos_ = end;
+  return true;
 }
 
 void CudaSession::rollback(int64_t p) {

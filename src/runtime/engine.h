@@ -33,6 +33,9 @@ class Session {
   // Back to an earlier position within the rollback depth, without re-running.
   virtual void rollback(int64_t position) = 0;
   virtual int64_t state_bytes() const = 0;
+  // Benchmarks only: jump to position position()+n with random (valid) cache
+  // contents instead of a prefill. Returns false when the backend cannot.
+  virtual bool synthetic_fill(int64_t n, uint64_t seed) { return false; }
 };
 
 class Engine {
