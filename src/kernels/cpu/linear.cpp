@@ -7,6 +7,7 @@
 #include <immintrin.h>
 #endif
 
+#include "util/numerics.h"
 #include "util/threadpool.h"
 
 namespace dsx::cpu {
@@ -35,7 +36,43 @@ float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+namespace {
+// dot of f32 x with a bf16 row, converting on the fly (decode: no dequant buffer)
+float dot_bf16(const float* x, const uint16_t* w, int64_t n) {
+  int64_t i = 0;
+  float s = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    __m256i v0 = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i)));
+    __m256i v1 = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i + 8)));
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16)), a1);
+  }
+  __m256 acc = _mm256_add_ps(a0, a1);
+  __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+  v = _mm_add_ss(v, _mm_shuffle_ps(v, v, 1));
+  s = _mm_cvtss_f32(v);
+#endif
+  for (; i < n; ++i) s += x[i] * bf16_to_f32(w[i]);
+  return s;
+}
+}  // namespace
+
 void matmul_rows(const float* x, int64_t T, const QMatrix& W, int64_t r0, int64_t r1, float* y, int64_t ldy) {
+  if (W.fmt == WFormat::BF16 && T <= 2) {
+    // few rows (decode): stream the bf16 weight once, no dequantization buffer
+    const int64_t K = W.cols, n = r1 - r0;
+    const auto* w = reinterpret_cast<const uint16_t*>(W.data);
+    const bool small = n * K < (int64_t{1} << 17);
+    parallel_for(small ? 1 : n, 64, [&](int64_t b, int64_t e) {
+      if (small) e = n;
+      for (int64_t j = b; j < e; ++j)
+        for (int64_t t = 0; t < T; ++t) y[t * ldy + j] = dot_bf16(x + t * K, w + (r0 + j) * K, K);
+    });
+    return;
+  }
   const int64_t K = W.cols;
   const int64_t n = r1 - r0;
   constexpr int64_t kTile = 16;
