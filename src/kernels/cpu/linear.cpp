@@ -12,19 +12,34 @@
 
 namespace dsx::cpu {
 
-float dot(const float* a, const float* b, int64_t n) {
+namespace {
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+#endif
+inline float scalar(const float* p, int64_t i) { return p[i]; }
+inline float scalar(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
+
+// One summation order for every weight type, so a bf16 row streamed directly and
+// the same row dequantized to f32 give bit-identical products.
+template <typename W>
+float dot_any(const float* a, const W* b, int64_t n) {
   int64_t i = 0;
   float s = 0.f;
 #if defined(__AVX2__) && defined(__FMA__)
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps(),
          acc3 = _mm256_setzero_ps();
   for (; i + 32 <= n; i += 32) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
-    acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16), acc2);
-    acc3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24), acc3);
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load8(b + i + 8), acc1);
+    acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), load8(b + i + 16), acc2);
+    acc3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), load8(b + i + 24), acc3);
   }
-  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc0);
   __m256 acc = _mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3));
   __m128 lo = _mm256_castps256_ps128(acc), hi = _mm256_extractf128_ps(acc, 1);
   __m128 v = _mm_add_ps(lo, hi);
@@ -32,33 +47,13 @@ float dot(const float* a, const float* b, int64_t n) {
   v = _mm_add_ss(v, _mm_shuffle_ps(v, v, 1));
   s = _mm_cvtss_f32(v);
 #endif
-  for (; i < n; ++i) s += a[i] * b[i];
+  for (; i < n; ++i) s += a[i] * scalar(b, i);
   return s;
 }
 
-namespace {
-// dot of f32 x with a bf16 row, converting on the fly (decode: no dequant buffer)
-float dot_bf16(const float* x, const uint16_t* w, int64_t n) {
-  int64_t i = 0;
-  float s = 0.f;
-#if defined(__AVX2__) && defined(__FMA__)
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-  for (; i + 16 <= n; i += 16) {
-    __m256i v0 = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i)));
-    __m256i v1 = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i + 8)));
-    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)), a0);
-    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16)), a1);
-  }
-  __m256 acc = _mm256_add_ps(a0, a1);
-  __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-  v = _mm_add_ss(v, _mm_shuffle_ps(v, v, 1));
-  s = _mm_cvtss_f32(v);
-#endif
-  for (; i < n; ++i) s += x[i] * bf16_to_f32(w[i]);
-  return s;
-}
 }  // namespace
+
+float dot(const float* a, const float* b, int64_t n) { return dot_any(a, b, n); }
 
 void matmul_rows(const float* x, int64_t T, const QMatrix& W, int64_t r0, int64_t r1, float* y, int64_t ldy) {
   if (W.fmt == WFormat::BF16 && T <= 2) {
@@ -69,7 +64,7 @@ void matmul_rows(const float* x, int64_t T, const QMatrix& W, int64_t r0, int64_
     parallel_for(small ? 1 : n, 64, [&](int64_t b, int64_t e) {
       if (small) e = n;
       for (int64_t j = b; j < e; ++j)
-        for (int64_t t = 0; t < T; ++t) y[t * ldy + j] = dot_bf16(x + t * K, w + (r0 + j) * K, K);
+        for (int64_t t = 0; t < T; ++t) y[t * ldy + j] = dot_any(x + t * K, w + (r0 + j) * K, K);
     });
     return;
   }
