@@ -366,6 +366,45 @@ TEST(CudaGemv, StridesAndSubnormalCodes) {
   expect_close(got, ref, abs, kSumTol, 0.0, "strided");  // columns >= N stay 0 on both sides
 }
 
+// BF16 mode runs FP8 / MXFP4 products with QA8 on the tensor-core path (gemv.cu): row
+// strides, rows not a multiple of the 16-row tile, K not a multiple of the 64-byte span,
+// subnormal weight codes, activation blocks of very different magnitudes, T up to 8.
+TEST(CudaGemv, TensorCorePathStridesAndRanges) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(14);
+  twin::RandomSpec sp;
+  sp.e4m3_exp_lo = 0;
+  sp.e4m3_exp_hi = 3;
+  struct C {
+    WFormat f;
+    int64_t N, K;
+    int T;
+  } cases[] = {{WFormat::FP8_BLOCK, 200, 640, 1}, {WFormat::FP8_BLOCK, 200, 640, 3}, {WFormat::FP8_BLOCK, 37, 96, 6},
+               {WFormat::FP8_BLOCK, 300, 4128, 8}, {WFormat::MXFP4, 200, 640, 1}, {WFormat::MXFP4, 45, 96, 2},
+               {WFormat::MXFP4, 130, 2336, 4}};
+  for (const C& c : cases) {
+    SCOPED_TRACE(testing::Message() << "fmt " << static_cast<int>(c.f) << " N " << c.N << " K " << c.K << " T " << c.T);
+    const int64_t ldx = c.K + 60, ldy = c.N + 11;
+    twin::OwnedMatrix W = twin::random_matrix(c.f, c.N, c.K, 32, rng, sp);
+    std::vector<float> x = twin::random_acts(c.T, ldx, rng, true, -20, 12);
+    std::vector<float> ref(static_cast<size_t>(c.T * ldy), 0.0f), abs(ref.size(), 0.0f);
+    twin::linear(x.data(), c.T, ldx, W.q, true, 32, 1, true, ref.data(), ldy, abs.data());
+    DevMatrix dW = upload(W.q);
+    DeviceBuffer dx = upload_acts(x, DType::BF16), dy(ref.size() * 2);
+    dy.zero();
+    cuda::gemv(dW.q, DType::BF16, dx.get(), ldx, c.T, DType::BF16, dy.get(), ldy, cuda::GemvOpts{}, nullptr);
+    DSX_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<float> got = download_acts(dy, ref.size(), DType::BF16);
+    expect_close(got, ref, abs, kSumTol, kBf16Ulp, "tensor-core path");
+    // deterministic
+    DeviceBuffer dy2(ref.size() * 2);
+    dy2.zero();
+    cuda::gemv(dW.q, DType::BF16, dx.get(), ldx, c.T, DType::BF16, dy2.get(), ldy, cuda::GemvOpts{}, nullptr);
+    std::vector<float> again = download_acts(dy2, ref.size(), DType::BF16);
+    for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(f32_bits(again[i]), f32_bits(got[i])) << i;
+  }
+}
+
 // ---------------------------------------------------------------------------------
 TEST(CudaGemm, DequantExact) {
   SKIP_WITHOUT_GPU();

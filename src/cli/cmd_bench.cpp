@@ -93,6 +93,8 @@ int cmd_bench(int argc, char** argv) {
   std::printf("# dsx bench: %s\n", eng->describe().c_str());
   std::vector<BenchRow> rows;
   auto s = eng->new_session();
+  std::printf("# session state: %.3f GB allocated for up to %lld tokens\n", s->state_bytes() / 1e9,
+              (long long)o.max_context);
   std::vector<float> logits(static_cast<size_t>(V * chunk));
   for (int64_t f : frontiers) {
     BenchRow r;

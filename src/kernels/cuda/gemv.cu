@@ -1,6 +1,7 @@
 #include "kernels/cuda/gemv.h"
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "kernels/cuda/gemv_device.cuh"
 #include "kernels/cuda/gemv_launch.h"
@@ -145,6 +146,290 @@ __global__ void split_reduce_kernel(const float* __restrict__ part, int KB, int 
   }
 }
 
+
+// ---------------------------------------------------------------------------------
+// Tensor-core path (see gemv_device.cuh): QA8'd activations against FP8_BLOCK / MXFP4
+// weights, qblock 32, one group, T <= 8 (FP8) / 4 (MXFP4). A block of 8 warps stages
+// the activations once (after issuing its first weight loads), then each warp streams
+// 16-row tiles; KS warps split K and their partial sums are added in a fixed order.
+
+struct MmaParams {
+  dev::WView W;
+  int64_t N;
+  int NB, nsp, KS, TPB, tstride;
+  int64_t n_tiles, ntg;
+  const void* x;
+  int xt;
+  int64_t ldx;
+  int T;
+  void* y;
+  int yt;
+  int64_t ldy;
+  float prescale;
+};
+
+// U: spans in flight per lane (U KB per warp). Every warp walks the same number Pw of
+// spans per tile (its real spans padded to a multiple of U with empty ones), so the
+// unrolled groups of U spans are branch-free and the compiler overlaps their latencies.
+template <WFormat F, bool HW, int P, int U>
+__global__ void __launch_bounds__(kThreads, 2) gemv_mma_kernel(const MmaParams p) {
+  extern __shared__ uint4 smem_mma[];
+  __shared__ uint4 s_zero[4];
+  uint32_t* bs = reinterpret_cast<uint32_t*>(smem_mma);
+  float* sas = reinterpret_cast<float*>(bs + static_cast<int64_t>(p.T) * p.tstride * 16);
+  float* red = sas + static_cast<int64_t>(p.T) * p.tstride;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int wr = warp / p.KS, wk = warp % p.KS;
+  const int s_lo = static_cast<int>(static_cast<int64_t>(p.nsp) * wk / p.KS);
+  const int s_hi = static_cast<int>(static_cast<int64_t>(p.nsp) * (wk + 1) / p.KS);
+  const int nspw = s_hi - s_lo;
+  const int Pw = ((p.nsp + p.KS - 1) / p.KS + U - 1) / U * U;  // padded spans per tile (uniform)
+  const int rounds = static_cast<int>((p.ntg - blockIdx.x + gridDim.x - 1) / gridDim.x);
+  const int64_t tile_step = static_cast<int64_t>(gridDim.x) * p.TPB;
+  const int64_t tile0 = static_cast<int64_t>(blockIdx.x) * p.TPB + wr;
+  if (threadIdx.x < 4) s_zero[threadIdx.x] = make_uint4(0, 0, 0, 0);
+
+  dev::MmaSlot<F> ring[U];
+  // load cursor: (round, k) with k < Pw; spans k >= nspw and rounds >= rounds are empty
+  int l_r = 0, l_k = 0;
+  auto load_next = [&](dev::MmaSlot<F>& sl) {
+    const bool live = l_k < nspw && l_r < rounds;
+    dev::mma_slot_load<F>(sl, p.W, (tile0 + static_cast<int64_t>(l_r) * tile_step) * 16, p.N - 1, s_lo + l_k, p.NB,
+                          lane, live);
+    const bool wrap = ++l_k == Pw;  // branch-free cursor update
+    l_k = wrap ? 0 : l_k;
+    l_r += wrap ? 1 : 0;
+  };
+#pragma unroll
+  for (int u = 0; u < U; ++u) load_next(ring[u]);
+
+  dev::pdl_wait();
+  dev::stage_b_mma<F, HW>(bs, sas, p.tstride, p.T, p.NB, p.x, p.xt, p.ldx, 0, p.prescale);
+  __syncthreads();
+  dev::pdl_launch_dependents();
+  const uint32_t* bzero = reinterpret_cast<const uint32_t*>(s_zero);
+
+  const int g = lane >> 2;
+  for (int r = 0; r < rounds; ++r) {
+    const int64_t row0 = (tile0 + static_cast<int64_t>(r) * tile_step) * 16;
+    float acc[P][2];
+#pragma unroll
+    for (int q = 0; q < P; ++q) acc[q][0] = acc[q][1] = 0.f;
+    for (int k0 = 0; k0 < Pw; k0 += U) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        dev::mma_slot_consume<F, HW, P>(ring[u], acc, bs, sas, p.tstride, p.T, s_lo + k0 + u, p.NB, lane, p.W, row0,
+                                        p.N - 1, bzero);
+        load_next(ring[u]);
+      }
+    }
+    dev::mma_acc_finish<F, P>(acc);
+    if (dev::mma_acc_writer<F>(lane)) {
+#pragma unroll
+      for (int pp = 0; pp < P; ++pp) {
+        const int t = dev::mma_acc_token<F>(pp, lane);
+        if (t < p.T) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int rl = g + 8 * h;
+            if (p.KS == 1) {
+              if (row0 + rl < p.N) dev::store_act(p.y, p.yt, t * p.ldy + row0 + rl, acc[pp][h]);
+            } else {
+              red[((static_cast<int64_t>(r) * kWarps + warp) * 16 + rl) * 8 + t] = acc[pp][h];
+            }
+          }
+        }
+      }
+    }
+  }
+  if (p.KS > 1) {
+    __syncthreads();
+    const int items = rounds * p.TPB * 16 * p.T;
+    for (int i = threadIdx.x; i < items; i += blockDim.x) {
+      const int t = i % p.T;
+      int rest = i / p.T;
+      const int rl = rest % 16;
+      rest /= 16;
+      const int wr2 = rest % p.TPB;
+      const int r = rest / p.TPB;
+      const int64_t tile = static_cast<int64_t>(blockIdx.x) * p.TPB + wr2 + r * tile_step;
+      const int64_t row = tile * 16 + rl;
+      if (tile < p.n_tiles && row < p.N) {
+        float sum = 0.f;
+        for (int k2 = 0; k2 < p.KS; ++k2) sum += red[((static_cast<int64_t>(r) * kWarps + wr2 * p.KS + k2) * 16 + rl) * 8 + t];
+        dev::store_act(p.y, p.yt, t * p.ldy + row, sum);
+      }
+    }
+  }
+}
+
+// Runtime switches (read once): DSX_GEMV_MMA = 0 (off), 1 (BF16 mode, default), 2 (also
+// F32 mode); DSX_MMA_CVT = 1 uses the hardware e4m3 -> f16 conversion for FP8 weights;
+// DSX_PDL = 0 launches without programmatic dependent launch (default: with);
+// DSX_MMA_U = 4 / 8 forces the spans in flight per lane (default: per shape).
+int env_int(const char* name, int dflt) {
+  const char* v = std::getenv(name);
+  return (v && *v) ? std::atoi(v) : dflt;
+}
+
+}  // namespace
+
+int gemv_mma_mode() {
+  static const int v = env_int("DSX_GEMV_MMA", 1);
+  return v;
+}
+bool gemv_mma_hwcvt() {
+  static const bool v = env_int("DSX_MMA_CVT", 0) != 0;
+  return v;
+}
+bool pdl_enabled() {
+  static const bool v = env_int("DSX_PDL", 1) != 0;
+  return v;
+}
+bool moe_mma_enabled() {
+  static const bool v = env_int("DSX_MOE_MMA", 1) != 0;
+  return v;
+}
+int gemv_mma_depth() {
+  static const int v = env_int("DSX_MMA_U", 0);  // 0: chosen per shape
+  return v;
+}
+
+namespace {
+
+struct MmaPlan {
+  bool ok = false;
+  int KS = 1, TPB = 8, P = 1, nsp = 0, NB = 0;
+  int64_t n_tiles = 0, ntg = 0, grid = 0;
+  size_t smem = 0;
+};
+
+template <typename Kern>
+MmaPlan mma_plan_for(Kern kern, WFormat f, int64_t N, int K, int T, int64_t row_bytes) {
+  MmaPlan pl;
+  pl.NB = K / 32;
+  pl.nsp = static_cast<int>((row_bytes + 63) / 64);
+  pl.n_tiles = (N + 15) / 16;
+  pl.P = f == WFormat::FP8_BLOCK ? (T <= 4 ? 1 : 2) : (T <= 2 ? 1 : 2);
+  const size_t base = static_cast<size_t>(T) * pl.NB * (64 + 4);
+  const size_t red_round = static_cast<size_t>(kWarps) * 16 * 8 * 4;
+  const size_t maxdyn = detail::max_dynamic_smem(kern);
+  if (base + 2 * red_round > std::min<size_t>(maxdyn, 110 * 1024)) return pl;
+  const int occ = detail::occupancy(kern, kThreads, base + 2 * red_round);
+  const int64_t resident = static_cast<int64_t>(occ) * sm_count();
+  // K split: minimise waves * (bytes per warp item + a fixed cost), larger split on ties
+  int ks = 1;
+  double best = 1e300;
+  for (int k = 1; k <= kWarps; k *= 2) {
+    if (k > 1 && k * 2 > pl.nsp) break;
+    const int64_t ntg = (pl.n_tiles * k + kWarps - 1) / kWarps;
+    const int64_t waves = (ntg + resident - 1) / resident;
+    const double cost = static_cast<double>(waves) * (16.0 * row_bytes / k + 2048.0);
+    if (cost <= best) {
+      best = cost;
+      ks = k;
+    }
+  }
+  pl.KS = ks;
+  pl.TPB = kWarps / ks;
+  pl.ntg = (pl.n_tiles + pl.TPB - 1) / pl.TPB;
+  pl.grid = detail::balanced_blocks(pl.ntg, resident);
+  const int64_t rounds = (pl.ntg + pl.grid - 1) / pl.grid;
+  if (ks > 1 && rounds > 2) return pl;  // (red sized for 2 rounds)
+  pl.smem = base + (ks > 1 ? static_cast<size_t>(rounds) * red_round : 0);
+  pl.ok = pl.smem <= maxdyn;
+  return pl;
+}
+
+template <typename Kern>
+void launch_maybe_pdl(Kern kern, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, const MmaParams& p) {
+  if (pdl_enabled()) {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    DSX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kern, p));
+  } else {
+    kern<<<grid, block, smem, stream>>>(p);
+  }
+  DSX_CUDA_CHECK(cudaGetLastError());
+}
+
+template <WFormat F, bool HW, int P, int U>
+bool try_launch_mma(const MmaParams& base, int K, cudaStream_t stream) {
+  auto kern = gemv_mma_kernel<F, HW, P, U>;
+  MmaPlan pl = mma_plan_for(kern, F, base.N, K, base.T, base.W.row_bytes);
+  if (!pl.ok) return false;
+  MmaParams p = base;
+  p.NB = pl.NB;
+  p.nsp = pl.nsp;
+  p.KS = pl.KS;
+  p.TPB = pl.TPB;
+  p.tstride = pl.NB;
+  p.n_tiles = pl.n_tiles;
+  p.ntg = pl.ntg;
+  launch_maybe_pdl(kern, dim3(static_cast<unsigned>(pl.grid)), dim3(kThreads), pl.smem, stream, p);
+  return true;
+}
+
+// The tensor-core path when it applies; false: use the CUDA-core kernel.
+bool gemv_mma(const QMatrix& W, DType xt, const void* x, int64_t ldx, int T, DType yt, void* y, int64_t ldy,
+              const GemvOpts& o, const dev::WView& wv, cudaStream_t stream) {
+  const int mode = gemv_mma_mode();
+  if (mode == 0) return false;
+  if (!(W.fmt == WFormat::FP8_BLOCK || W.fmt == WFormat::MXFP4) || !o.qa8 || o.qblock != 32 || o.groups != 1)
+    return false;
+  if (xt != DType::BF16 && mode < 2) return false;
+  const bool fp8 = W.fmt == WFormat::FP8_BLOCK;
+  if (T < 1 || T > (fp8 ? 8 : 4)) return false;
+  // MXFP4 at T <= 2: the CUDA-core kernel is as fast (the e2m1 decode makes the
+  // tensor-core loop compute-bound); the engine streams MXFP4 only through moe_decode.
+  if (!fp8 && T <= 2 && mode < 2) return false;
+  if (fp8 && W.block < 16) return false;
+  MmaParams p{};
+  p.W = wv;
+  p.N = W.rows;
+  p.x = x;
+  p.xt = static_cast<int>(xt);
+  p.ldx = ldx;
+  p.T = T;
+  p.y = y;
+  p.yt = static_cast<int>(yt);
+  p.ldy = ldy;
+  const int K = static_cast<int>(W.cols);
+  // spans in flight: 8 only pays off when each warp streams >= 32 spans (FP8, long K)
+  int depth = gemv_mma_depth();
+  if (depth == 0) {
+    auto k4 = gemv_mma_kernel<WFormat::FP8_BLOCK, false, 1, 4>;
+    const MmaPlan pl = mma_plan_for(k4, W.fmt, W.rows, K, T, wv.row_bytes);
+    depth = (fp8 && pl.ok && pl.nsp / pl.KS >= 32) ? 8 : 4;
+  }
+  const bool deep = depth >= 8;
+  if (fp8) {
+    if (gemv_mma_hwcvt()) {
+      p.prescale = dev::fp8_mma_prescale<true>();
+      return T <= 4 ? try_launch_mma<WFormat::FP8_BLOCK, true, 1, 8>(p, K, stream)
+                    : try_launch_mma<WFormat::FP8_BLOCK, true, 2, 4>(p, K, stream);
+    }
+    p.prescale = dev::fp8_mma_prescale<false>();
+    if (T <= 4)
+      return deep ? try_launch_mma<WFormat::FP8_BLOCK, false, 1, 8>(p, K, stream)
+                  : try_launch_mma<WFormat::FP8_BLOCK, false, 1, 4>(p, K, stream);
+    return try_launch_mma<WFormat::FP8_BLOCK, false, 2, 4>(p, K, stream);
+  }
+  p.prescale = dev::kMx4MmaPrescale;
+  if (T <= 2)
+    return deep ? try_launch_mma<WFormat::MXFP4, false, 1, 8>(p, K, stream)
+                : try_launch_mma<WFormat::MXFP4, false, 1, 4>(p, K, stream);
+  return try_launch_mma<WFormat::MXFP4, false, 2, 4>(p, K, stream);
+}
+
 struct Plan {
   int TT = 1, KS = 1, KB = 1, rows_per_block = 2, gran = 32, Ks_max = 0;
   int64_t row_groups = 0;
@@ -268,8 +553,6 @@ void gemv(const QMatrix& W, DType xt, const void* x, int64_t ldx, int T, DType y
   const int K = static_cast<int>(W.cols);
   const int64_t N = W.rows / G;
   DSX_CHECK(ldx >= static_cast<int64_t>(G) * K && ldy >= W.rows, "gemv ", W.name, ": bad row strides");
-  const Plan pl = make_plan(W.fmt, N, K, G, T, qa8, o.qblock, o.split_ws ? o.split_ws_bytes : 0, sm_count());
-
   Params p{};
   p.W.w = W.data;
   p.W.s = W.scale;
@@ -286,6 +569,8 @@ void gemv(const QMatrix& W, DType xt, const void* x, int64_t ldx, int T, DType y
     case WFormat::BF16: p.W.row_bytes = W.cols * 2; break;
     case WFormat::F32: p.W.row_bytes = W.cols * 4; break;
   }
+  if (qa8 && gemv_mma(W, xt, x, ldx, T, yt, y, ldy, o, p.W, stream)) return;
+  const Plan pl = make_plan(W.fmt, N, K, G, T, qa8, o.qblock, o.split_ws ? o.split_ws_bytes : 0, sm_count());
   p.N = N;
   p.K = K;
   p.G = G;

@@ -4,6 +4,10 @@
 // MXFP4 weights when opts.qa8, else x' = x. The weight bytes are streamed once per
 // pass of up to 16 tokens (more tokens: several passes; use gemm.h for prefill).
 // f32 accumulation; the output is written as yt (bf16: rounded once, RNE).
+// BF16 mode (xt == BF16) runs FP8_BLOCK (T <= 8) and MXFP4 (3 <= T <= 4) products with
+// QA8 (qblock 32, one group) on the tensor cores (gemv_device.cuh: exact f16 operands,
+// one mma chain per 32-element scale block, f32 accumulation); everything else, and F32
+// mode, on the CUDA-core kernel. Switches: gemv_launch.h (DSX_GEMV_MMA, DSX_PDL, ...).
 #pragma once
 #include <cuda_runtime.h>
 

@@ -10,6 +10,7 @@
 // for FP8/MXFP4 weights, see quant_act_device.cuh), swizzled so that the 16-byte
 // reads of a quarter-warp hit distinct banks. Products and sums are f32 FMAs.
 #pragma once
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -268,6 +269,419 @@ __device__ __forceinline__ void warp_reduce(float (&acc)[RPW][TT]) {
   for (int r = 0; r < RPW; ++r)
 #pragma unroll
     for (int t = 0; t < TT; ++t) acc[r][t] = warp_sum(acc[r][t]);
+}
+
+
+// =====================================================================================
+// Tensor-core streaming (BF16 mode, QA8'd activations; gemv.cu and moe.cu).
+//
+// The weights are decoded with a few integer operations to f16 (exact: FP8 e4m3 codes
+// as e4m3 * 2^-8, MXFP4 e2m1 codes as e2m1 * 2^-14) and multiplied with the QA8 codes
+// of the activations (f16, exact) by mma.sync m16n8k16 (f32 accumulation). Products are
+// exact; each mma chain covers exactly one 32-element scale block of one row, and the
+// block sums are scaled (weight scale * activation scale, powers of two) and added in
+// f32 on the CUDA cores, as the CUDA-core kernels do.
+//
+// A warp streams a tile of 16 weight rows (mma rows g and g+8 of lane (g = lane/4,
+// c = lane%4)) in "spans" of 64 bytes per row: lane c loads the 16 bytes [16c, 16c+16)
+// of the span for rows g and g+8 (row-contiguous 64-byte segments per warp load).
+//  FP8:   a span is 64 elements = 2 scale blocks; lanes c = 0,1 hold block 0, c = 2,3
+//         block 1. The B operand (n = 8 columns) separates them: column n = 2 t + blk
+//         (t = token of the pass, 4 tokens per pass), so C[row][2t + blk] is the sum over
+//         one block; lane (g, c) gets token c, blocks 0 and 1 of rows g and g+8.
+//  MXFP4: a span is 128 elements = 4 scale blocks (lane c: block c); column
+//         n = 4 t + blk (2 tokens per pass); lane (g, c) gets token c/2, blocks 2(c&1) and
+//         2(c&1)+1; lanes c and c^1 are summed at the end of the tile.
+// The activations are staged once per block in shared memory as f16 code pairs in the
+// order the B fragments need (stage_b_mma), with the per-block activation scales.
+
+__device__ __forceinline__ void mma_f16_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                              uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__)
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
+}
+
+// Predicated loads (no branch: the result is zero when pred is false).
+__device__ __forceinline__ uint4 ldg_stream_pred(const void* p, bool pred) {
+  uint4 r;
+#if defined(__CUDA_ARCH__)
+  asm volatile(
+      "{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %5, 0;\n\tmov.u32 %0, 0;\n\tmov.u32 %1, 0;\n\tmov.u32 %2, 0;\n\t"
+      "mov.u32 %3, 0;\n\t@q ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "l"(p), "r"(static_cast<int>(pred)));
+#else
+  r = pred ? *static_cast<const uint4*>(p) : make_uint4(0, 0, 0, 0);
+#endif
+  return r;
+}
+__device__ __forceinline__ uint32_t ldg_u8_pred(const uint8_t* p, bool pred) {
+  uint32_t r;
+#if defined(__CUDA_ARCH__)
+  asm volatile("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %2, 0;\n\tmov.u32 %0, 0;\n\t@q ld.global.nc.u8 %0, [%1];\n\t}"
+               : "=r"(r)
+               : "l"(p), "r"(static_cast<int>(pred)));
+#else
+  r = pred ? *p : 0u;
+#endif
+  return r;
+}
+// 2^(u-127) without branches (u = 0: 2^-127; u = 255 is not a valid scale here).
+__device__ __forceinline__ float e8m0_f32_nb(uint32_t u) { return __uint_as_float(u ? (u << 23) : 0x00400000u); }
+
+__device__ __forceinline__ uint32_t ldg_u8_volatile(const uint8_t* p) {
+  uint32_t r;
+#if defined(__CUDA_ARCH__)
+  asm volatile("ld.global.nc.u8 %0, [%1];" : "=r"(r) : "l"(p));
+#else
+  r = *p;
+#endif
+  return r;
+}
+
+// Two f16x2 words P, Q from the 4 e4m3 bytes of v (the pairs listed in fp8_pair_of).
+//  SW (bit trick, values * 2^-8): P = (byte1, byte3), Q = (byte0, byte2)
+//  HW (cvt.rn.f16x2.e4m3x2, exact values): P = (byte0, byte1), Q = (byte2, byte3)
+__device__ __forceinline__ uint32_t fp8x2_hi_f16(uint32_t v) {
+  return (v & 0x80008000u) | ((v >> 1) & 0x3F803F80u);
+}
+template <bool HW>
+__device__ __forceinline__ void fp8_to_f16x2(uint32_t v, uint32_t& P, uint32_t& Q) {
+  if constexpr (HW) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    asm("{\n\t.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, %2;\n\tcvt.rn.f16x2.e4m3x2 %0, lo;\n\t"
+        "cvt.rn.f16x2.e4m3x2 %1, hi;\n\t}"
+        : "=r"(P), "=r"(Q)
+        : "r"(v));
+#else
+    P = Q = 0;
+#endif
+  } else {
+    P = fp8x2_hi_f16(v);
+    Q = fp8x2_hi_f16(v << 8);
+  }
+}
+// For element q (0..3) of a 4-byte word: which register (0 = P, 1 = Q) and half.
+template <bool HW>
+__device__ __forceinline__ void fp8_pair_of(int q, int& reg, int& half) {
+  if constexpr (HW) {
+    reg = q >> 1;
+    half = q & 1;
+  } else {
+    reg = (q & 1) ? 0 : 1;
+    half = q >> 1;
+  }
+}
+template <bool HW>
+constexpr float fp8_mma_prescale() {
+  return HW ? 1.0f : 256.0f;  // undoes the weights' 2^-8
+}
+constexpr float kMx4MmaPrescale = 16384.0f;  // 2^14
+
+// Four f16x2 words from the 8 e2m1 nibbles of v (values * 2^-14):
+// R0 = (n0, n4), R1 = (n2, n6), R2 = (n1, n5), R3 = (n3, n7).
+__device__ __forceinline__ void fp4_to_f16x2(uint32_t v, uint32_t& R0, uint32_t& R1, uint32_t& R2, uint32_t& R3) {
+  const uint32_t E = ((v << 4) & 0x80808080u) | ((v << 1) & 0x0E0E0E0Eu);
+  const uint32_t O = (v & 0x80808080u) | ((v >> 3) & 0x0E0E0E0Eu);
+  R1 = E & 0xFF00FF00u;
+  R3 = O & 0xFF00FF00u;
+  R0 = __byte_perm(E, 0u, 0x2404);
+  R2 = __byte_perm(O, 0u, 0x2404);
+}
+
+// One span of one 16-row tile as loaded by a lane: rows g and g+8, scale bytes.
+// (MXFP4: the scale bytes are prefetched into L1 with the weights and read when the
+// span is consumed, which keeps the slot at 8 registers.)
+template <WFormat F>
+struct MmaSlot {
+  uint4 a, a8;
+  uint32_t sc[F == WFormat::MXFP4 ? 1 : 2];
+};
+
+__device__ __forceinline__ void prefetch_l1(const void* p) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
+#endif
+}
+
+// Issue the loads of span s (64 bytes per row) of the tile whose first row is row0
+// (rows clamped to row_last). NB: scale blocks per row (K / 32). live = false issues
+// nothing (the slot reads as zeros). No branches.
+template <WFormat F>
+__device__ __forceinline__ void mma_slot_load(MmaSlot<F>& sl, const WView& W, int64_t row0, int64_t row_last, int s,
+                                              int NB, int lane, bool live = true) {
+  const int g = lane >> 2, c = lane & 3;
+  const int64_t rg = row0 + g < row_last ? row0 + g : row_last;
+  const int64_t rg8 = row0 + g + 8 < row_last ? row0 + g + 8 : row_last;
+  const int64_t off = static_cast<int64_t>(s) * 64 + 16 * c;
+  const bool ok = live && off + 16 <= W.row_bytes;
+  const int64_t offc = ok ? off : 0;
+  sl.a = ldg_stream_pred(W.w + rg * W.row_bytes + offc, ok);
+  sl.a8 = ldg_stream_pred(W.w + rg8 * W.row_bytes + offc, ok);
+  if constexpr (F == WFormat::FP8_BLOCK) {
+    const int kb0 = 2 * s;
+    const int64_t r0c = row0 < row_last ? row0 : row_last;
+    const uint8_t* srow = W.s + (r0c >> W.wshift) * W.sc_cols;
+    const bool v0 = live && kb0 < NB, v1 = live && kb0 + 1 < NB;
+    sl.sc[0] = ldg_u8_pred(srow + (v0 ? ((kb0 * 32) >> W.wshift) : 0), v0);
+    sl.sc[1] = ldg_u8_pred(srow + (v1 ? (((kb0 + 1) * 32) >> W.wshift) : 0), v1);
+  } else {
+    int b0 = 4 * s + 2 * (c & 1);
+    b0 = b0 < NB ? b0 : NB - 1;
+    prefetch_l1(W.s + rg * W.sc_cols + b0);
+    prefetch_l1(W.s + rg8 * W.sc_cols + b0);
+  }
+}
+
+__device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// acc[p][0 / 1] (rows g / g+8) += span s of the slot against the staged activations.
+// bs / sas: staged codes / scales of token 0 (token t at bs + t * tstride * 16 words,
+// sas + t * tstride); nt tokens; pass p covers tokens 4p.. (FP8) or 2p.. (MXFP4).
+// bzero: 64 zero bytes in shared memory (read by lanes without B data). No branches,
+// so that the compiler can overlap consecutive spans.
+template <WFormat F, bool HW, int P>
+__device__ __forceinline__ void mma_slot_consume(const MmaSlot<F>& sl, float (&acc)[P][2],
+                                                 const uint32_t* __restrict__ bs, const float* __restrict__ sas,
+                                                 int tstride, int nt, int s, int NB, int lane, const WView& W,
+                                                 int64_t row0, int64_t row_last, const uint32_t* bzero) {
+  const int g = lane >> 2, c = lane & 3;
+  if constexpr (F == WFormat::FP8_BLOCK) {
+    uint32_t Pg[4], Qg[4], P8[4], Q8[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      fp8_to_f16x2<HW>(word_of(sl.a, i), Pg[i], Qg[i]);
+      fp8_to_f16x2<HW>(word_of(sl.a8, i), P8[i], Q8[i]);
+    }
+    const int kb0 = 2 * s;
+    const float w0 = e8m0_f32_nb(sl.sc[0]);
+    const float w1 = e8m0_f32_nb(sl.sc[1]);
+    const int k0c = kb0 < NB ? kb0 : NB - 1, k1c = kb0 + 1 < NB ? kb0 + 1 : NB - 1;
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+      // B role: column g = 2 t + blk, blk = g & 1 must match this lane's block c >> 1
+      const int tb = 4 * p + (g >> 1);
+      const int kbB = kb0 + (c >> 1);
+      const bool bact = ((g & 1) == (c >> 1)) && tb < nt && kbB < NB;
+      const uint4* src = reinterpret_cast<const uint4*>(
+          bact ? bs + (static_cast<int64_t>(tb) * tstride + kbB) * 16 + (c & 1) * 8 : bzero);
+      const uint4 b01 = src[0], b23 = src[1];
+      float d[4] = {0.f, 0.f, 0.f, 0.f};
+      mma_f16_16816(d, Pg[0], P8[0], Qg[0], Q8[0], b01.x, b01.y);
+      mma_f16_16816(d, Pg[1], P8[1], Qg[1], Q8[1], b01.z, b01.w);
+      mma_f16_16816(d, Pg[2], P8[2], Qg[2], Q8[2], b23.x, b23.y);
+      mma_f16_16816(d, Pg[3], P8[3], Qg[3], Q8[3], b23.z, b23.w);
+      // C role: token 4p + c, blocks kb0 and kb0 + 1
+      const int t = 4 * p + c;
+      const bool tv = t < nt;
+      const float* sa = sas + static_cast<int64_t>(tv ? t : 0) * tstride;
+      const float f0 = (tv && kb0 < NB) ? w0 * sa[k0c] : 0.f;
+      const float f1 = (tv && kb0 + 1 < NB) ? w1 * sa[k1c] : 0.f;
+      acc[p][0] = fmaf(d[0], f0, acc[p][0]);
+      acc[p][0] = fmaf(d[1], f1, acc[p][0]);
+      acc[p][1] = fmaf(d[2], f0, acc[p][1]);
+      acc[p][1] = fmaf(d[3], f1, acc[p][1]);
+    }
+  } else {
+    const int kb0 = 4 * s;
+    const int b0 = kb0 + 2 * (c & 1);
+    const int b0c = b0 < NB ? b0 : NB - 1, b1c = b0 + 1 < NB ? b0 + 1 : NB - 1;
+    const int64_t rg = row0 + g < row_last ? row0 + g : row_last;
+    const int64_t rg8 = row0 + g + 8 < row_last ? row0 + g + 8 : row_last;
+    const uint8_t* s0 = W.s + rg * W.sc_cols;
+    const uint8_t* s8 = W.s + rg8 * W.sc_cols;
+    // L1 hits (prefetched when the span was loaded)
+    const float wg0 = e8m0_f32_nb(__ldg(s0 + b0c)), wg1 = e8m0_f32_nb(__ldg(s0 + b1c));
+    const float w80 = e8m0_f32_nb(__ldg(s8 + b0c)), w81 = e8m0_f32_nb(__ldg(s8 + b1c));
+    uint32_t R[4][4], R8[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      fp4_to_f16x2(word_of(sl.a, j), R[j][0], R[j][1], R[j][2], R[j][3]);
+      fp4_to_f16x2(word_of(sl.a8, j), R8[j][0], R8[j][1], R8[j][2], R8[j][3]);
+    }
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+      // B role: column g = 4 t + blk, blk = g & 3 must match this lane's block c
+      const int tb = 2 * p + (g >> 2);
+      const int kbB = kb0 + c;
+      const bool bact = ((g & 3) == c) && tb < nt && kbB < NB;
+      const uint4* src =
+          reinterpret_cast<const uint4*>(bact ? bs + (static_cast<int64_t>(tb) * tstride + kbB) * 16 : bzero);
+      uint4 bq[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) bq[j] = src[j];
+      float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        mma_f16_16816(d, R[j][0], R8[j][0], R[j][2], R8[j][2], bq[j].x, bq[j].y);
+        mma_f16_16816(d, R[j][1], R8[j][1], R[j][3], R8[j][3], bq[j].z, bq[j].w);
+      }
+      // C role: token 2p + c/2, blocks b0, b0 + 1
+      const int t = 2 * p + (c >> 1);
+      const bool tv = t < nt;
+      const float* sa = sas + static_cast<int64_t>(tv ? t : 0) * tstride;
+      const float sa0 = (tv && b0 < NB) ? sa[b0c] : 0.f;
+      const float sa1 = (tv && b0 + 1 < NB) ? sa[b1c] : 0.f;
+      acc[p][0] = fmaf(d[0], wg0 * sa0, acc[p][0]);
+      acc[p][0] = fmaf(d[1], wg1 * sa1, acc[p][0]);
+      acc[p][1] = fmaf(d[2], w80 * sa0, acc[p][1]);
+      acc[p][1] = fmaf(d[3], w81 * sa1, acc[p][1]);
+    }
+  }
+}
+
+// Token of the accumulators of this lane for pass p (the lane holds rows g, g+8).
+template <WFormat F>
+__device__ __forceinline__ int mma_acc_token(int p, int lane) {
+  return F == WFormat::FP8_BLOCK ? 4 * p + (lane & 3) : 2 * p + ((lane & 3) >> 1);
+}
+// End of a tile: MXFP4 sums the two lanes holding the halves of each span.
+template <WFormat F, int P>
+__device__ __forceinline__ void mma_acc_finish(float (&acc)[P][2]) {
+  if constexpr (F == WFormat::MXFP4) {
+#pragma unroll
+    for (int p = 0; p < P; ++p)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) acc[p][r] += __shfl_xor_sync(kFull, acc[p][r], 1);
+  }
+}
+// Lanes that write after mma_acc_finish (MXFP4: one of each lane pair).
+template <WFormat F>
+__device__ __forceinline__ bool mma_acc_writer(int lane) {
+  return F == WFormat::FP8_BLOCK || (lane & 1) == 0;
+}
+
+// f16x2 of the e4m3 codes of (lo, hi) (already divided by the QA8 scale): round to
+// nearest even onto the e4m3 grid with saturation at +-448 (= f32_to_e4m3 of the
+// clamped value), then the exact f16 of the code.
+__device__ __forceinline__ uint32_t e4m3_pair_f16(float lo, float hi) {
+  uint32_t h = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  unsigned short e;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(e) : "f"(hi), "f"(lo));
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(e));
+#else
+  h = __half_as_ushort(__float2half_rn(e4m3_to_f32(f32_to_e4m3(lo)))) |
+      (static_cast<uint32_t>(__half_as_ushort(__float2half_rn(e4m3_to_f32(f32_to_e4m3(hi))))) << 16);
+#endif
+  return h;
+}
+
+// 8 consecutive activations x[i .. i+8) of type xt (0 f32, 1 bf16) as f32.
+__device__ __forceinline__ void load_act8(const void* x, int xt, int64_t i, float (&v)[8]) {
+  if (xt == 1) {
+    const uint16_t* p = static_cast<const uint16_t*>(x) + i;
+    if ((reinterpret_cast<uintptr_t>(p) & 15) == 0) {
+      const uint4 q = *reinterpret_cast<const uint4*>(p);
+      const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        v[2 * k] = __uint_as_float(w[k] << 16);
+        v[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[e] = bf16_to_f32(p[e]);
+    }
+  } else {
+    const float* p = static_cast<const float*>(x) + i;
+    if ((reinterpret_cast<uintptr_t>(p) & 15) == 0) {
+      const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
+      v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[e] = p[e];
+    }
+  }
+}
+
+// Stage nt activation rows x[t, xoff .. xoff + 32 NB) (row stride ldx, type xt) as QA8
+// codes (qblock 32) in the B-fragment order of format F into bs ([nt][tstride][16]
+// words) and the scales times prescale into sas ([nt][tstride]). All threads of the block.
+// If fq != nullptr the fake-quantized values code * scale are also written to
+// fq[t * ldq + k] (f32).
+template <WFormat F, bool HW>
+__device__ __forceinline__ void stage_b_mma(uint32_t* bs, float* sas, int tstride, int nt, int NB, const void* x,
+                                            int xt, int64_t ldx, int64_t xoff, float prescale, float* fq = nullptr,
+                                            int64_t ldq = 0) {
+  const int per_tok = NB * 4;  // octets
+  const int total = nt * per_tok;
+  for (int i0 = 0; i0 < total; i0 += blockDim.x) {
+    const int i = i0 + static_cast<int>(threadIdx.x);
+    const bool ok = i < total;
+    const int t = ok ? i / per_tok : 0;
+    const int o = ok ? i - t * per_tok : 0;
+    const int kb = o >> 2, sub = o & 3;
+    float v[8];
+    if (ok) {
+      load_act8(x, xt, static_cast<int64_t>(t) * ldx + xoff + kb * 32 + sub * 8, v);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[e] = 0.f;
+    }
+    float m = 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) m = fmaxf(m, fabsf(v[e]));
+    // amax over the 4 octets of the block (lanes 4m .. 4m+3: blockDim.x % 32 == 0)
+    m = fmaxf(m, __shfl_xor_sync(kFull, m, 1));
+    m = fmaxf(m, __shfl_xor_sync(kFull, m, 2));
+    if (!ok) continue;
+    const float sc = qa8_scale(m);
+    const float inv = 1.0f / sc;  // exact: sc is a power of two in [2^-22, 2^126]
+    float q[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) q[e] = v[e] * inv;  // == v / sc (exact scaling)
+    uint4 w;
+    if constexpr (F == WFormat::MXFP4) {
+      w = make_uint4(e4m3_pair_f16(q[0], q[4]), e4m3_pair_f16(q[1], q[5]), e4m3_pair_f16(q[2], q[6]),
+                     e4m3_pair_f16(q[3], q[7]));
+    } else if constexpr (HW) {
+      w = make_uint4(e4m3_pair_f16(q[0], q[1]), e4m3_pair_f16(q[2], q[3]), e4m3_pair_f16(q[4], q[5]),
+                     e4m3_pair_f16(q[6], q[7]));
+    } else {  // P = (1, 3), Q = (0, 2) per quad
+      w = make_uint4(e4m3_pair_f16(q[1], q[3]), e4m3_pair_f16(q[0], q[2]), e4m3_pair_f16(q[5], q[7]),
+                     e4m3_pair_f16(q[4], q[6]));
+    }
+    reinterpret_cast<uint4*>(bs + (static_cast<int64_t>(t) * tstride + kb) * 16)[sub] = w;
+    if (sub == 0) sas[static_cast<int64_t>(t) * tstride + kb] = sc * prescale;
+    if (fq) {
+      // code values back from the staged words (element e of the octet)
+      const uint32_t ww[4] = {w.x, w.y, w.z, w.w};
+      float* out = fq + static_cast<int64_t>(t) * ldq + kb * 32 + sub * 8;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        int word, half;
+        if constexpr (F == WFormat::MXFP4) {
+          word = e & 3;
+          half = e >> 2;
+        } else {
+          int reg;
+          fp8_pair_of<HW>(e & 3, reg, half);
+          word = (e >> 2) * 2 + reg;
+        }
+        const uint16_t hb = static_cast<uint16_t>(ww[word] >> (16 * half));
+        out[e] = __half2float(__ushort_as_half(hb)) * sc;
+      }
+    }
+  }
+}
+
+// Grid-dependency control (programmatic dependent launch); no-ops when the kernel was
+// launched without the attribute.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 }
 
 }  // namespace dsx::cuda::dev

@@ -78,3 +78,18 @@ inline int64_t balanced_blocks(int64_t items, int64_t resident) {
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 }  // namespace dsx::cuda::detail
+
+namespace dsx::cuda {
+// Runtime switches of the tensor-core paths (gemv.cu; read once from the environment):
+// DSX_GEMV_MMA = 0 off, 1 BF16 mode (default), 2 also F32 mode; DSX_MMA_CVT = 1 hardware
+// e4m3 -> f16 conversion; DSX_PDL = 0 disables programmatic dependent launch (default on).
+int gemv_mma_mode();
+bool gemv_mma_hwcvt();
+bool pdl_enabled();
+bool moe_mma_enabled();  // DSX_MOE_MMA = 0: the MoE decode keeps the CUDA-core kernels
+int gemv_mma_depth();  // DSX_MMA_U: spans in flight per lane (4 or 8; 0 = per shape, default)
+}  // namespace dsx::cuda
+
+namespace dsx::cuda::detail {
+
+}  // namespace dsx::cuda::detail

@@ -231,8 +231,251 @@ __global__ void __launch_bounds__(kThreads) moe_down_kernel(const DownParams p) 
   }
 }
 
+
+// ---------------------------------------------------------------------------------
+// Tensor-core decode path (BF16 mode, qblock 32; gemv_device.cuh). Two launches:
+//  up:   one block per (token, slot, 16-row tile of I) for the routed experts and one per
+//        16-row tile for the shared expert (all tokens); its 8 warps stream w1 and w3
+//        (4 quarters of D each) against QA8(x) and add the quarters in a fixed order,
+//        then SwiGLU and the routing weight (bf16-rounded in BF16 mode): h, f32 [T][S][I].
+//  down: one block per (token, 16-row tile of D); its warps stream w2 of every slot
+//        (shared expert: two warps, halves of I) against QA8(h) staged in shared
+//        memory, and the block adds the slot outputs in the reference order.
+template <WFormat F, int P, int U>
+__device__ __forceinline__ void stream_tile(const dev::WView& W, int64_t row0, int64_t row_last, int s_lo, int s_hi,
+                                            int NB, const uint32_t* bs, const float* sas, int tstride, int nt,
+                                            float (&acc)[P][2], int lane, const uint32_t* bzero) {
+  // spans padded to a multiple of U with empty ones: branch-free unrolled groups
+  dev::MmaSlot<F> ring[U];
+  const int n = s_hi - s_lo;
+  const int Pn = (n + U - 1) / U * U;
+#pragma unroll
+  for (int u = 0; u < U; ++u) dev::mma_slot_load<F>(ring[u], W, row0, row_last, s_lo + u, NB, lane, u < n);
+  for (int k0 = 0; k0 < Pn; k0 += U) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      dev::mma_slot_consume<F, false, P>(ring[u], acc, bs, sas, tstride, nt, s_lo + k0 + u, NB, lane, W, row0, row_last,
+                                         bzero);
+      dev::mma_slot_load<F>(ring[u], W, row0, row_last, s_lo + k0 + u + U, NB, lane, k0 + u + U < n);
+    }
+  }
+  dev::mma_acc_finish<F, P>(acc);
+}
+
+struct UpMmaParams {
+  const uint8_t* const* w1;
+  const uint8_t* const* w1s;
+  const uint8_t* const* w3;
+  const uint8_t* const* w3s;
+  dev::WView sw1, sw3;
+  int D, I, topk, S, T;
+  const int32_t* ids;
+  const float* wts;
+  const void* x;
+  int xt;
+  int64_t ldx;
+  float lim;
+  int bf16;
+  float* h;  // [T][S][I]
+  int NTI, NB;
+  int n_sblocks;
+};
+
+template <int P>
+__global__ void __launch_bounds__(kThreads, 2) moe_up_mma_kernel(const UpMmaParams p) {
+  extern __shared__ uint4 smem_mma[];
+  __shared__ uint4 s_zero[4];
+  if (threadIdx.x < 4) s_zero[threadIdx.x] = make_uint4(0, 0, 0, 0);
+  const uint32_t* bzero = reinterpret_cast<const uint32_t*>(s_zero);
+  uint32_t* bs = reinterpret_cast<uint32_t*>(smem_mma);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int m = warp >> 2, kq = warp & 3;  // matrix (0: w1, 1: w3), quarter of D
+  dev::pdl_wait();
+  const bool shared = static_cast<int>(blockIdx.x) < p.n_sblocks;
+  int t = 0, j = p.topk, tile;
+  float wj = 1.0f;
+  int ntok;
+  dev::WView v;
+  if (shared) {
+    tile = blockIdx.x;
+    ntok = p.T;
+    v = m == 0 ? p.sw1 : p.sw3;
+  } else {
+    const int u = blockIdx.x - p.n_sblocks;
+    t = u / (p.topk * p.NTI);
+    j = (u / p.NTI) % p.topk;
+    tile = u % p.NTI;
+    ntok = 1;
+    const int e = p.ids[t * p.topk + j];
+    wj = p.wts[t * p.topk + j];
+    v.w = m == 0 ? p.w1[e] : p.w3[e];
+    v.s = m == 0 ? p.w1s[e] : p.w3s[e];
+    v.row_bytes = p.D / 2;
+    v.sc_cols = p.D / 32;
+  }
+  float* sas = reinterpret_cast<float*>(bs + static_cast<int64_t>(ntok) * p.NB * 16);
+  float* red = sas + static_cast<int64_t>(ntok) * p.NB;  // [8 warps][16 rows][8 tokens]
+  const int nsp = static_cast<int>((v.row_bytes + 63) / 64);
+  const int s_lo = nsp * kq / 4, s_hi = nsp * (kq + 1) / 4;
+  const int64_t row0 = static_cast<int64_t>(tile) * 16;
+  const int g = lane >> 2;
+  if (shared) {
+    dev::stage_b_mma<WFormat::FP8_BLOCK, false>(bs, sas, p.NB, ntok, p.NB, p.x, p.xt, p.ldx, 0,
+                                                dev::fp8_mma_prescale<false>());
+    __syncthreads();
+    dev::pdl_launch_dependents();
+    float a[P][2];
+#pragma unroll
+    for (int q = 0; q < P; ++q) a[q][0] = a[q][1] = 0.f;
+    stream_tile<WFormat::FP8_BLOCK, P, 4>(v, row0, p.I - 1, s_lo, s_hi, p.NB, bs, sas, p.NB, ntok, a, lane, bzero);
+#pragma unroll
+    for (int q = 0; q < P; ++q) {
+      const int tt = dev::mma_acc_token<WFormat::FP8_BLOCK>(q, lane);
+      if (tt < ntok) {
+        red[(warp * 16 + g) * 8 + tt] = a[q][0];
+        red[(warp * 16 + g + 8) * 8 + tt] = a[q][1];
+      }
+    }
+  } else {
+    dev::stage_b_mma<WFormat::MXFP4, false>(bs, sas, p.NB, 1, p.NB, p.x, p.xt, p.ldx, static_cast<int64_t>(t) * p.ldx,
+                                            dev::kMx4MmaPrescale);
+    __syncthreads();
+    dev::pdl_launch_dependents();
+    float a[1][2] = {{0.f, 0.f}};
+    stream_tile<WFormat::MXFP4, 1, 4>(v, row0, p.I - 1, s_lo, s_hi, p.NB, bs, sas, p.NB, 1, a, lane, bzero);
+    if ((lane & 3) == 0) {
+      red[(warp * 16 + g) * 8] = a[0][0];
+      red[(warp * 16 + g + 8) * 8] = a[0][1];
+    }
+  }
+  __syncthreads();
+  if (static_cast<int>(threadIdx.x) < 16 * ntok) {
+    const int rl = threadIdx.x % 16, tt = threadIdx.x / 16;
+    const int row = tile * 16 + rl;
+    if (row < p.I) {
+      float gs = 0.f, us = 0.f;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        gs += red[(q * 16 + rl) * 8 + tt];
+        us += red[((4 + q) * 16 + rl) * 8 + tt];
+      }
+      const int tok = shared ? tt : t;
+      p.h[(static_cast<int64_t>(tok) * p.S + j) * p.I + row] = swiglu_h(gs, us, wj, p.lim, p.bf16);
+    }
+  }
+}
+
+constexpr int kDownU = 4;
+// One 16-row tile of one down-projection slot (kept out of line: one register budget
+// per weight format).
+template <WFormat F>
+__device__ __forceinline__ float2 down_tile(dev::WView W, int64_t row0, int64_t row_last, int s_lo, int s_hi, int NB,
+                                            const uint32_t* bs, const float* sas, int lane, const uint32_t* bzero) {
+  float a[1][2] = {{0.f, 0.f}};
+  stream_tile<F, 1, kDownU>(W, row0, row_last, s_lo, s_hi, NB, bs, sas, NB, 1, a, lane, bzero);
+  return make_float2(a[0][0], a[0][1]);
+}
+
+struct DownMmaParams {
+  const uint8_t* const* w2;
+  const uint8_t* const* w2s;
+  dev::WView sw2;
+  int D, I, topk, S, T, has_shared;
+  const int32_t* ids;
+  const float* h;  // [T][S][I]
+  float* hq;       // [T][S][I]
+  int NTD, NBI;
+  int bf16;
+  void* y;
+  int yt;
+  int64_t ldy;
+};
+
+__global__ void __launch_bounds__(kThreads, 2) moe_down_mma_kernel(const DownMmaParams p) {
+  extern __shared__ uint4 smem_mma[];
+  __shared__ uint4 s_zero[4];
+  if (threadIdx.x < 4) s_zero[threadIdx.x] = make_uint4(0, 0, 0, 0);
+  const uint32_t* bzero = reinterpret_cast<const uint32_t*>(s_zero);
+  __shared__ float part[kMaxSlots + 2][16];
+  __shared__ int order[kMaxSlots];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int t = blockIdx.x / p.NTD, tile = blockIdx.x % p.NTD;
+  const int64_t row0 = static_cast<int64_t>(tile) * 16;
+  uint32_t* bs_r = reinterpret_cast<uint32_t*>(smem_mma);  // routed slots, MXFP4 order
+  float* sas_r = reinterpret_cast<float*>(bs_r + static_cast<int64_t>(p.topk) * p.NBI * 16);
+  uint32_t* bs_s = reinterpret_cast<uint32_t*>(smem_mma) +
+                   ((static_cast<int64_t>(p.topk) * p.NBI * 17 + 3) & ~static_cast<int64_t>(3));  // shared, FP8 order
+  float* sas_s = reinterpret_cast<float*>(bs_s + static_cast<int64_t>(p.NBI) * 16);
+  dev::pdl_wait();
+  if (threadIdx.x == 0) {
+    for (int j = 0; j < p.S; ++j) order[j] = j;
+    for (int a = 1; a < p.topk; ++a) {
+      const int v = order[a];
+      const int ev = p.ids[t * p.topk + v];
+      int b = a - 1;
+      while (b >= 0 && p.ids[t * p.topk + order[b]] > ev) {
+        order[b + 1] = order[b];
+        --b;
+      }
+      order[b + 1] = v;
+    }
+  }
+  const int64_t hrow = static_cast<int64_t>(t) * p.S * p.I;
+  float* fq = tile == 0 ? p.hq + hrow : nullptr;
+  dev::stage_b_mma<WFormat::MXFP4, false>(bs_r, sas_r, p.NBI, p.topk, p.NBI, p.h, 0, p.I, hrow, dev::kMx4MmaPrescale,
+                                          fq, p.I);
+  if (p.has_shared)
+    dev::stage_b_mma<WFormat::FP8_BLOCK, false>(bs_s, sas_s, p.NBI, 1, p.NBI, p.h, 0, p.I,
+                                                hrow + static_cast<int64_t>(p.topk) * p.I,
+                                                dev::fp8_mma_prescale<false>(), fq ? fq + static_cast<int64_t>(p.topk) * p.I : nullptr,
+                                                p.I);
+  __syncthreads();
+  dev::pdl_launch_dependents();
+  const int items = p.topk + 2 * p.has_shared;
+  for (int it = warp; it < items; it += kWarps) {
+    float2 r;
+    if (it < p.topk) {
+      const int e = p.ids[t * p.topk + it];
+      dev::WView v;
+      v.w = p.w2[e];
+      v.s = p.w2s[e];
+      v.row_bytes = p.I / 2;
+      v.sc_cols = p.I / 32;
+      r = down_tile<WFormat::MXFP4>(v, row0, p.D - 1, 0, (p.I / 2 + 63) / 64, p.NBI,
+                                    bs_r + static_cast<int64_t>(it) * p.NBI * 16, sas_r + static_cast<int64_t>(it) * p.NBI,
+                                    lane, bzero);
+    } else {
+      const int hh = it - p.topk;
+      const int nsp = (p.I + 63) / 64;
+      r = down_tile<WFormat::FP8_BLOCK>(p.sw2, row0, p.D - 1, hh * nsp / 2, (hh + 1) * nsp / 2, p.NBI, bs_s, sas_s, lane,
+                                        bzero);
+    }
+    const float a[1][2] = {{r.x, r.y}};
+    if (c == 0) {
+      part[it][g] = a[0][0];
+      part[it][g + 8] = a[0][1];
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < 16) {
+    const int rl = threadIdx.x;
+    const int64_t row = row0 + rl;
+    if (row < p.D) {
+      float tot = 0.0f;
+      for (int s = 0; s < p.S; ++s) {
+        const int j = order[s];
+        float v = j < p.topk ? part[j][rl] : part[p.topk][rl] + part[p.topk + 1][rl];
+        if (p.bf16) v = round_bf16(v);
+        tot += v;
+      }
+      dev::store_act(p.y, p.yt, static_cast<int64_t>(t) * p.ldy + row, tot);
+    }
+  }
+}
+
 struct DecodeLayout {
-  size_t hq = 0, part = 0, cnt = 0, total = 0;
+  size_t hq = 0, part = 0, cnt = 0, h = 0, total = 0;
 };
 DecodeLayout decode_layout(const MoeLayer& m, int T, int topk) {
   const int S = topk + (m.shared_w1.data ? 1 : 0);
@@ -244,6 +487,8 @@ DecodeLayout decode_layout(const MoeLayer& m, int T, int topk) {
   off = align256(off + static_cast<size_t>(T) * S * m.hidden * 4);
   L.cnt = off;
   off = align256(off + static_cast<size_t>(T) * (m.hidden / kDownRPW) * 4);
+  L.h = off;
+  off = align256(off + static_cast<size_t>(T) * S * m.inter * 4);
   L.total = off;
   return L;
 }
@@ -281,6 +526,100 @@ void check_layer(const MoeLayer& m, int topk) {
   }
 }
 
+
+template <typename Kern, typename Params>
+void launch_pdl(Kern kern, unsigned grid, size_t smem, cudaStream_t stream, const Params& p) {
+  if (pdl_enabled()) {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    DSX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kern, p));
+  } else {
+    kern<<<grid, kThreads, smem, stream>>>(p);
+  }
+  DSX_CUDA_CHECK(cudaGetLastError());
+}
+
+// The tensor-core decode path when it applies (false: the CUDA-core kernels).
+bool moe_decode_mma(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int T, int topk, const int32_t* ids,
+                    const float* weights, DType yt, void* y, int64_t ldy, char* base, const DecodeLayout& L,
+                    cudaStream_t stream) {
+  const int mode = gemv_mma_mode();
+  if (mode == 0 || (yt != DType::BF16 && mode < 2) || !moe_mma_enabled()) return false;
+  const bool has_shared = m.shared_w1.data != nullptr;
+  const int S = topk + (has_shared ? 1 : 0);
+  if (m.qblock != 32 || T > 8 || m.inter % 32 != 0 || m.hidden % 32 != 0 || S > kMaxSlots) return false;
+  if (has_shared && (m.shared_w1.block < 16 || m.shared_w2.block < 16)) return false;
+  const int D = static_cast<int>(m.hidden), I = static_cast<int>(m.inter);
+  const int NB = D / 32, NBI = I / 32, NTI = (I + 15) / 16, NTD = (D + 15) / 16;
+  float* h = reinterpret_cast<float*>(base + L.h);
+  float* hq = reinterpret_cast<float*>(base + L.hq);
+
+  UpMmaParams up{};
+  up.w1 = m.w1;
+  up.w1s = m.w1_scale;
+  up.w3 = m.w3;
+  up.w3s = m.w3_scale;
+  if (has_shared) {
+    up.sw1 = fp8_view(m.shared_w1);
+    up.sw3 = fp8_view(m.shared_w3);
+  }
+  up.D = D;
+  up.I = I;
+  up.topk = topk;
+  up.S = S;
+  up.T = T;
+  up.ids = ids;
+  up.wts = weights;
+  up.x = x;
+  up.xt = static_cast<int>(xt);
+  up.ldx = ldx;
+  up.lim = m.swiglu_limit;
+  up.bf16 = yt == DType::BF16 ? 1 : 0;
+  up.h = h;
+  up.NTI = NTI;
+  up.NB = NB;
+  up.n_sblocks = has_shared ? NTI : 0;
+  const int n_up = up.n_sblocks + T * topk * NTI;
+  const size_t tok_bytes = static_cast<size_t>(NB) * (64 + 4);
+  const size_t smem_up = static_cast<size_t>(has_shared ? T : 1) * tok_bytes + kWarps * 16 * 8 * 4;
+  auto kup = T <= 4 ? moe_up_mma_kernel<1> : moe_up_mma_kernel<2>;
+  if (smem_up > detail::max_dynamic_smem(kup)) return false;
+
+  DownMmaParams dn{};
+  dn.w2 = m.w2;
+  dn.w2s = m.w2_scale;
+  if (has_shared) dn.sw2 = fp8_view(m.shared_w2);
+  dn.D = D;
+  dn.I = I;
+  dn.topk = topk;
+  dn.S = S;
+  dn.T = T;
+  dn.has_shared = has_shared ? 1 : 0;
+  dn.ids = ids;
+  dn.h = h;
+  dn.hq = hq;
+  dn.NTD = NTD;
+  dn.NBI = NBI;
+  dn.bf16 = up.bf16;
+  dn.y = y;
+  dn.yt = static_cast<int>(yt);
+  dn.ldy = ldy;
+  const size_t smem_dn = static_cast<size_t>(topk + 1) * NBI * (64 + 4) + 16;
+  if (smem_dn > detail::max_dynamic_smem(moe_down_mma_kernel)) return false;
+
+  launch_pdl(kup, static_cast<unsigned>(n_up), smem_up, stream, up);
+  launch_pdl(moe_down_mma_kernel, static_cast<unsigned>(T * NTD), smem_dn, stream, dn);
+  return true;
+}
+
 }  // namespace
 
 size_t moe_decode_ws_bytes(const MoeLayer& m, int T, int topk) { return decode_layout(m, T, topk).total; }
@@ -296,6 +635,7 @@ void moe_decode(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int T, 
   const int D = static_cast<int>(m.hidden), I = static_cast<int>(m.inter);
   char* base = static_cast<char*>(ws);
   const bool bf16 = yt == DType::BF16;  // BF16 mode: the reference rounding points
+  if (moe_decode_mma(m, xt, x, ldx, T, topk, ids, weights, yt, y, ldy, base, L, stream)) return;
 
   // ---- up
   UpParams up{};
