@@ -28,68 +28,14 @@
 #include "kernels/cuda/indexer.h"
 #include "kernels/cuda/kv_cache.h"
 #include "kernels/cuda/topk.h"
+#include "cuda_test_util.h"
 #include "util/numerics.h"
 
 using namespace dsx;
-using dsx::cuda::Act;
-using dsx::cuda::DeviceBuffer;
+using namespace dsx_test;  // also Act, DeviceBuffer
 namespace twin = dsx::cpu::twin;
 
 namespace {
-
-#define SKIP_WITHOUT_GPU() \
-  if (!dsx::cuda::device_available()) GTEST_SKIP() << "no CUDA device"
-
-using Rng = std::mt19937_64;
-
-std::vector<float> randn(size_t n, Rng& rng, float scale = 1.0f) {
-  std::normal_distribution<float> nd(0.0f, scale);
-  std::vector<float> v(n);
-  for (auto& x : v) x = nd(rng);
-  return v;
-}
-std::vector<float> act_values(std::vector<float> v, Act act) {
-  if (act == Act::BF16)
-    for (auto& x : v) x = round_bf16(x);
-  return v;
-}
-DeviceBuffer upload_act(const std::vector<float>& v, Act act) {
-  DeviceBuffer b(std::max<size_t>(v.size(), 1) * cuda::act_bytes(act));
-  if (act == Act::F32) {
-    b.upload(v.data(), v.size() * 4);
-  } else {
-    std::vector<uint16_t> h(v.size());
-    for (size_t i = 0; i < v.size(); ++i) h[i] = f32_to_bf16(v[i]);
-    b.upload(h.data(), h.size() * 2);
-  }
-  return b;
-}
-std::vector<float> download_act(const DeviceBuffer& b, size_t n, Act act) {
-  std::vector<float> v(n);
-  if (act == Act::F32) {
-    b.download(v.data(), n * 4);
-  } else {
-    std::vector<uint16_t> h(n);
-    b.download(h.data(), n * 2);
-    for (size_t i = 0; i < n; ++i) v[i] = bf16_to_f32(h[i]);
-  }
-  return v;
-}
-template <typename V>
-DeviceBuffer upload_vec(const std::vector<V>& v) {
-  DeviceBuffer b(std::max<size_t>(v.size(), 1) * sizeof(V));
-  b.upload(v.data(), v.size() * sizeof(V));
-  return b;
-}
-std::vector<float> rope_table(int n_pairs, double theta) {
-  std::vector<float> f(static_cast<size_t>(n_pairs));
-  for (int i = 0; i < n_pairs; ++i) {
-    const float e = static_cast<float>(2 * i) / static_cast<float>(2 * n_pairs);
-    f[static_cast<size_t>(i)] = 1.0f / std::pow(static_cast<float>(theta), e);
-    if (i > n_pairs / 2) f[static_cast<size_t>(i)] /= 16.0f;
-  }
-  return f;
-}
 
 struct Shape {
   int H, hd, np, W, topk;

@@ -29,104 +29,16 @@
 #include "kernels/cuda/engram_gate.h"
 #include "kernels/cuda/hc.h"
 #include "kernels/cuda/kv_cache.h"
+#include "cuda_test_util.h"
 #include "util/numerics.h"
 
 using namespace dsx;
-using dsx::cuda::Act;
-using dsx::cuda::DeviceBuffer;
+using namespace dsx_test;  // also Act, DeviceBuffer
 namespace twin = dsx::cpu::twin;
 
 namespace {
 
-#define SKIP_WITHOUT_GPU() \
-  if (!dsx::cuda::device_available()) GTEST_SKIP() << "no CUDA device"
-
-using Rng = std::mt19937_64;
-
-std::vector<float> randn(size_t n, Rng& rng, float scale = 1.0f) {
-  std::normal_distribution<float> nd(0.0f, scale);
-  std::vector<float> v(n);
-  for (auto& x : v) x = nd(rng);
-  return v;
-}
-std::vector<float> act_values(std::vector<float> v, Act act) {
-  if (act == Act::BF16)
-    for (auto& x : v) x = round_bf16(x);
-  return v;
-}
-DeviceBuffer upload_act(const std::vector<float>& v, Act act) {
-  DeviceBuffer b(std::max<size_t>(v.size(), 1) * cuda::act_bytes(act));
-  if (act == Act::F32) {
-    b.upload(v.data(), v.size() * 4);
-  } else {
-    std::vector<uint16_t> h(v.size());
-    for (size_t i = 0; i < v.size(); ++i) h[i] = f32_to_bf16(v[i]);
-    b.upload(h.data(), h.size() * 2);
-  }
-  return b;
-}
-std::vector<float> download_act(const DeviceBuffer& b, size_t n, Act act) {
-  std::vector<float> v(n);
-  if (act == Act::F32) {
-    b.download(v.data(), n * 4);
-  } else {
-    std::vector<uint16_t> h(n);
-    b.download(h.data(), n * 2);
-    for (size_t i = 0; i < n; ++i) v[i] = bf16_to_f32(h[i]);
-  }
-  return v;
-}
-template <typename V>
-DeviceBuffer upload_vec(const std::vector<V>& v) {
-  DeviceBuffer b(std::max<size_t>(v.size(), 1) * sizeof(V));
-  b.upload(v.data(), v.size() * sizeof(V));
-  return b;
-}
-template <typename V>
-std::vector<V> download_vec(const DeviceBuffer& b, size_t n) {
-  std::vector<V> v(n);
-  b.download(v.data(), n * sizeof(V));
-  return v;
-}
 DeviceBuffer upload_pos(int64_t p) { return upload_vec(std::vector<int64_t>{p}); }
-
-// Elements with |got - want| > abs + rel |want| (bitwise-equal values always pass).
-size_t count_far(const std::vector<float>& got, const std::vector<float>& want, double abs_tol, double rel_tol,
-                 const char* what, int report = 5) {
-  EXPECT_EQ(got.size(), want.size()) << what;
-  size_t bad = 0;
-  for (size_t i = 0; i < std::min(got.size(), want.size()); ++i) {
-    const double g = got[i], w = want[i];
-    if (f32_bits(got[i]) == f32_bits(want[i])) continue;
-    if (std::isfinite(g) && std::isfinite(w) && std::fabs(g - w) <= abs_tol + rel_tol * std::fabs(w)) continue;
-    if (bad++ < static_cast<size_t>(report)) ADD_FAILURE() << what << ": element " << i << " got " << g << " want " << w;
-  }
-  return bad;
-}
-size_t count_bit_diff(const std::vector<float>& a, const std::vector<float>& b) {
-  size_t n = 0;
-  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) n += f32_bits(a[i]) != f32_bits(b[i]);
-  return n + (a.size() > b.size() ? a.size() - b.size() : b.size() - a.size());
-}
-// Fake-quantized outputs of nearly identical inputs: allow a few elements off by one
-// quantization step (bounded by `step_frac` of the element's block maximum).
-void expect_quantized_close(const std::vector<float>& got, const std::vector<float>& want, int block,
-                            double max_frac, double step_frac, const char* what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  size_t diff = 0;
-  for (size_t b0 = 0; b0 < got.size(); b0 += static_cast<size_t>(block)) {
-    float amax = 0;
-    for (int i = 0; i < block; ++i) amax = std::max(amax, std::fabs(want[b0 + i]));
-    for (int i = 0; i < block; ++i) {
-      const size_t k = b0 + i;
-      if (f32_bits(got[k]) == f32_bits(want[k])) continue;
-      ++diff;
-      EXPECT_LE(std::fabs(got[k] - want[k]), step_frac * amax + 1e-30) << what << " element " << k;
-    }
-  }
-  EXPECT_LE(static_cast<double>(diff), max_frac * static_cast<double>(got.size()) + 2.0)
-      << what << ": " << diff << " of " << got.size() << " elements differ";
-}
 
 std::vector<float> fq8_rows(std::vector<float> v, int dim) {
   for (size_t r = 0; r < v.size() / dim; ++r) cpu::qa8_inplace(v.data() + r * dim, dim, 32);
@@ -139,17 +51,6 @@ std::vector<float> fq4e4_rows(std::vector<float> v, int dim) {
 std::vector<float> fq4e8_rows(std::vector<float> v, int dim) {
   for (size_t r = 0; r < v.size() / dim; ++r) cpu::fq4_e8_inplace(v.data() + r * dim, dim, 32);
   return v;
-}
-
-// A compress-style RoPE table (YaRN-like blend) of n pairs.
-std::vector<float> rope_table(int n_pairs, double theta) {
-  std::vector<float> f(static_cast<size_t>(n_pairs));
-  for (int i = 0; i < n_pairs; ++i) {
-    const float e = static_cast<float>(2 * i) / static_cast<float>(2 * n_pairs);
-    f[static_cast<size_t>(i)] = 1.0f / std::pow(static_cast<float>(theta), e);
-    if (i > n_pairs / 2) f[static_cast<size_t>(i)] /= 16.0f;
-  }
-  return f;
 }
 
 // Mixed-magnitude inputs with exact rounding ties for the quantizers.

@@ -13,6 +13,7 @@
 #include <random>
 
 #include "cli/golden_check.h"
+#include "model/make_tiny_quant.h"
 #include "model/v4_cpu.h"
 #include "runtime/engine.h"
 #include "test_util.h"
@@ -40,13 +41,12 @@ constexpr int kOGroups = 2, kOLora = 64, kWindow = 8, kExperts = 8, kTopK = 2, k
 constexpr int kIdxHeads = 4, kIdxDim = 64, kIdxTopK = 4, kHashLayers = 2, kBlock = 128;
 const std::vector<int> kRatios = {0, 4, 8, 4, 16};  // 8 and 16 stand in for 128 (non-overlapping path)
 
-uint8_t e8m0_of(float pow2) { return static_cast<uint8_t>(std::clamp(std::ilogb(pow2) + 127, 1, 254)); }
-
 class Gen {
  public:
   explicit Gen(uint64_t seed) : rng_(seed) {}
   float normal(float std) { return std::normal_distribution<float>(0.0f, std)(rng_); }
   int64_t below(int64_t n) { return std::uniform_int_distribution<int64_t>(0, n - 1)(rng_); }
+  std::mt19937_64& rng() { return rng_; }
 
  private:
   std::mt19937_64 rng_;
@@ -90,43 +90,15 @@ struct Writer {
       w.add(name, DType::F32, std::move(shape), v);
     }
   }
+  void quantized(const std::string& base, const QuantizedWeight& q) {
+    if (!skip(base + ".weight")) w.add(base + ".weight", q.codes_dtype, q.codes_shape, q.codes);
+    if (!skip(base + ".scale")) w.add(base + ".scale", DType::F8_E8M0, q.scales_shape, q.scales);
+  }
   void fp8(const std::string& base, int64_t n, int64_t k, float std) {
-    std::vector<float> v(static_cast<size_t>(n * k));
-    for (auto& x : v) x = g.normal(std);
-    const int64_t B = kBlock, sn = (n + B - 1) / B, sk = (k + B - 1) / B;
-    std::vector<uint8_t> codes(v.size()), scales(static_cast<size_t>(sn * sk));
-    for (int64_t bi = 0; bi < sn; ++bi)
-      for (int64_t bj = 0; bj < sk; ++bj) {
-        float amax = 0;
-        for (int64_t i = bi * B; i < std::min(n, (bi + 1) * B); ++i)
-          for (int64_t j = bj * B; j < std::min(k, (bj + 1) * B); ++j) amax = std::max(amax, std::fabs(v[i * k + j]));
-        const float s = pow2ceil(std::max(amax, 1e-30f) / 448.0f);
-        scales[bi * sk + bj] = e8m0_of(s);
-        for (int64_t i = bi * B; i < std::min(n, (bi + 1) * B); ++i)
-          for (int64_t j = bj * B; j < std::min(k, (bj + 1) * B); ++j) codes[i * k + j] = f32_to_e4m3(v[i * k + j] / s);
-      }
-    if (!skip(base + ".weight")) w.add(base + ".weight", DType::F8_E4M3, {n, k}, codes);
-    if (!skip(base + ".scale")) w.add(base + ".scale", DType::F8_E8M0, {sn, sk}, scales);
+    quantized(base, random_fp8(g.rng(), std, n, k, kBlock));
   }
   void mxfp4(const std::string& base, int64_t n, int64_t k, float std) {
-    std::vector<uint8_t> packed(static_cast<size_t>(n * k / 2)), scales(static_cast<size_t>(n * k / 32));
-    std::vector<float> row(static_cast<size_t>(k));
-    for (int64_t i = 0; i < n; ++i) {
-      for (auto& x : row) x = g.normal(std);
-      for (int64_t b = 0; b < k / 32; ++b) {
-        float amax = 0;
-        for (int64_t j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(row[b * 32 + j]));
-        const float s = pow2ceil(std::max(amax, 1e-30f) / 6.0f);
-        scales[i * (k / 32) + b] = e8m0_of(s);
-        for (int64_t j = 0; j < 32; j += 2) {
-          const uint8_t lo = f32_to_e2m1(std::clamp(row[b * 32 + j] / s, -6.f, 6.f));
-          const uint8_t hi = f32_to_e2m1(std::clamp(row[b * 32 + j + 1] / s, -6.f, 6.f));
-          packed[i * (k / 2) + (b * 32 + j) / 2] = static_cast<uint8_t>(lo | (hi << 4));
-        }
-      }
-    }
-    w.add(base + ".weight", DType::I8, {n, k / 2}, packed);
-    w.add(base + ".scale", DType::F8_E8M0, {n, k / 32}, scales);
+    quantized(base, random_mxfp4(g.rng(), std, n, k));
   }
   void tid2eid(const std::string& name) {
     std::vector<int64_t> v(static_cast<size_t>(kVocab * kTopK));

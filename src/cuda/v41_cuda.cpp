@@ -63,6 +63,31 @@ class Arena {
 
 size_t aligned(size_t b) { return (b + 255) & ~size_t{255}; }
 
+// Page-locked host memory (fast, truly asynchronous copies).
+template <typename T>
+class Pinned {
+ public:
+  Pinned() = default;
+  explicit Pinned(size_t n) { resize(n); }
+  ~Pinned() {
+    if (p_) cudaFreeHost(p_);
+  }
+  Pinned(const Pinned&) = delete;
+  Pinned& operator=(const Pinned&) = delete;
+  void resize(size_t n) {
+    if (p_) cudaFreeHost(p_);
+    p_ = nullptr;
+    n_ = n;
+    if (n) DSX_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&p_), n * sizeof(T)));
+  }
+  T* data() { return p_; }
+  size_t size() const { return n_; }
+
+ private:
+  T* p_ = nullptr;
+  size_t n_ = 0;
+};
+
 struct DevLayer {
   float *attn_norm = nullptr, *ffn_norm = nullptr;
   QMatrix hc_attn_fn, hc_ffn_fn;
@@ -407,8 +432,10 @@ class CudaSession : public Session {
   void forward(int T, bool all_rows);                   // the kernels of one chunk
   void attention(int l, int T);
   void moe(int l, int T);
+  // Launches on `st` (default: the session stream) with the GEMV split workspace of
+  // that stream (concurrent branches must not share one).
   void lin(const QMatrix& W, const void* x, int64_t ldx, int T, Act yt, void* y, int64_t ldy, bool qa8,
-           int groups = 1);
+           int groups = 1, cudaStream_t st = nullptr);
   void stage_engram(const int32_t* ids, int T);
 
   const DeviceModel& m_;
@@ -428,7 +455,10 @@ class CudaSession : public Session {
   int64_t* d_engram_ids_ = nullptr;
   int64_t* d_iota_ = nullptr;
   uint8_t *engram_stage_ = nullptr, *engram_stage_scale_ = nullptr;
-  std::vector<uint8_t> engram_host_stage_;
+  Pinned<uint8_t> engram_host_stage_;
+  Pinned<int64_t> h_engram_rows_;
+  Pinned<int32_t> h_ids_;
+  Pinned<float> h_logits_;  // last-row logits of a step
   void *X_ = nullptr, *a_ = nullptr, *f_ = nullptr, *y_ = nullptr, *h_ = nullptr;
   float *pre0_ = nullptr, *pa_ = nullptr, *qa_ = nullptr, *Ca_ = nullptr, *pf_ = nullptr, *qf_ = nullptr,
         *Cf_ = nullptr;
@@ -455,6 +485,10 @@ class CudaSession : public Session {
   size_t gemm_ws_bytes_ = 0;
   float* gemv_ws_ = nullptr;
   size_t gemv_ws_bytes_ = 0;
+  // decode: two side streams for the independent chains of the attention
+  cudaStream_t side_[2] = {nullptr, nullptr};
+  float* side_ws_[2] = {nullptr, nullptr};
+  cudaEvent_t ev_fork_ = nullptr, ev_join_[2] = {nullptr, nullptr};
   // decode graph
   cudaGraphExec_t graph_ = nullptr;
   int decode_steps_ = 0;
@@ -464,6 +498,9 @@ class CudaSession : public Session {
 CudaSession::CudaSession(const DeviceModel& m, const EngineOptions& o)
     : m_(m), c_(m.cfg), act_(m.act), ab_(act_bytes(m.act)) {
   DSX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  for (auto& sd : side_) DSX_CUDA_CHECK(cudaStreamCreateWithFlags(&sd, cudaStreamNonBlocking));
+  DSX_CUDA_CHECK(cudaEventCreateWithFlags(&ev_fork_, cudaEventDisableTiming));
+  for (auto& e : ev_join_) DSX_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   max_ctx_ = o.max_context > 0 ? o.max_context : 8192;
   tmax_ = 256;
   const int64_t D = c_.hidden, M = c_.hc_mult, H = c_.n_heads, hd = c_.head_dim, ql = c_.q_lora_rank;
@@ -566,12 +603,17 @@ CudaSession::CudaSession(const DeviceModel& m, const EngineOptions& o)
     logits_ = static_cast<float*>(take(T * V * 4));
     gemm_ws_ = take(std::max<size_t>(gemm_ws_bytes_, 256));
     gemv_ws_ = static_cast<float*>(take(std::max<size_t>(gemv_ws_bytes_, 256)));
+    side_ws_[0] = static_cast<float*>(take(std::max<size_t>(gemv_ws_bytes_, 256)));
+    side_ws_[1] = static_cast<float*>(take(std::max<size_t>(gemv_ws_bytes_, 256)));
   };
   size_t total = 0;
   sizes(nullptr, total);
   buf_.reserve(total + 4096);
   sizes(&buf_, total);
   engram_host_stage_.resize(static_cast<size_t>(std::max<int64_t>(1, nl * T * nc * (ed + ed / 32))));
+  h_engram_rows_.resize(static_cast<size_t>(std::max<int64_t>(1, nl * T * nc)));
+  h_ids_.resize(static_cast<size_t>(T));
+  h_logits_.resize(static_cast<size_t>(V));
   if (nl > 0) {
     std::vector<int64_t> iota(static_cast<size_t>(T * nc));
     for (size_t i = 0; i < iota.size(); ++i) iota[i] = static_cast<int64_t>(i);
@@ -581,20 +623,27 @@ CudaSession::CudaSession(const DeviceModel& m, const EngineOptions& o)
 
 CudaSession::~CudaSession() {
   if (graph_) cudaGraphExecDestroy(graph_);
+  for (auto& sd : side_)
+    if (sd) cudaStreamDestroy(sd);
+  if (ev_fork_) cudaEventDestroy(ev_fork_);
+  for (auto& e : ev_join_)
+    if (e) cudaEventDestroy(e);
   if (stream_) cudaStreamDestroy(stream_);
 }
 
 void CudaSession::lin(const QMatrix& W, const void* x, int64_t ldx, int T, Act yt, void* y, int64_t ldy, bool qa8,
-                      int groups) {
+                      int groups, cudaStream_t st) {
+  if (!st) st = stream_;
   if (T <= kGemvMaxT) {
     GemvOpts o;
     o.qa8 = qa8;
     o.qblock = c_.quant_block;
     o.groups = groups;
-    o.split_ws = gemv_ws_;
+    o.split_ws = st == side_[0] ? side_ws_[0] : st == side_[1] ? side_ws_[1] : gemv_ws_;
     o.split_ws_bytes = gemv_ws_bytes_;
-    gemv(W, act_, x, ldx, T, yt, y, ldy, o, stream_);
+    gemv(W, act_, x, ldx, T, yt, y, ldy, o, st);
   } else {
+    DSX_CHECK(st == stream_, "prefill products run on the session stream");
     GemmOpts o;
     o.qa8 = qa8;
     o.qblock = c_.quant_block;
@@ -617,10 +666,10 @@ void CudaSession::stage_engram(const int32_t* ids, int T) {
   }
   const int nl = E.n_layers, nc = E.n_cols;
   const int64_t n = static_cast<int64_t>(T) * nc, ed = c_.engram_head_dim;
-  std::vector<int64_t> rows(static_cast<size_t>(nl * n));  // [layer][t][col]
+  int64_t* rows = h_engram_rows_.data();  // [layer][t][col]
   for (int li = 0; li < nl; ++li)
-    for (int t = 0; t < T; ++t) E.row_ids(li, hist.data(), h0, p0 + t, rows.data() + li * n + static_cast<int64_t>(t) * nc);
-  DSX_CUDA_CHECK(cudaMemcpyAsync(d_engram_ids_, rows.data(), rows.size() * 8, cudaMemcpyHostToDevice, stream_));
+    for (int t = 0; t < T; ++t) E.row_ids(li, hist.data(), h0, p0 + t, rows + li * n + static_cast<int64_t>(t) * nc);
+  DSX_CUDA_CHECK(cudaMemcpyAsync(d_engram_ids_, rows, static_cast<size_t>(nl * n) * 8, cudaMemcpyHostToDevice, stream_));
   for (int li = 0; li < nl; ++li) {
     const DevLayer& L = m_.layers[static_cast<size_t>(c_.engram_layers[static_cast<size_t>(li)])];
     if (L.engram_table) continue;
@@ -628,7 +677,7 @@ void CudaSession::stage_engram(const int32_t* ids, int T) {
     uint8_t* codes = engram_host_stage_.data() + li * n * (ed + ed / 32);
     uint8_t* scales = codes + n * ed;
     for (int64_t i = 0; i < n; ++i) {
-      const int64_t r = rows[static_cast<size_t>(li * n + i)] % L.engram_rows;
+      const int64_t r = rows[li * n + i] % L.engram_rows;
       std::memcpy(codes + i * ed, L.engram_host_table + r * ed, static_cast<size_t>(ed));
       std::memcpy(scales + i * (ed / 32), L.engram_host_scale + r * (ed / 32), static_cast<size_t>(ed / 32));
     }
@@ -636,7 +685,8 @@ void CudaSession::stage_engram(const int32_t* ids, int T) {
     DSX_CUDA_CHECK(cudaMemcpyAsync(engram_stage_scale_ + li * n * (ed / 32), scales, static_cast<size_t>(n * ed / 32),
                                    cudaMemcpyHostToDevice, stream_));
   }
-  DSX_CUDA_CHECK(cudaStreamSynchronize(stream_));  // host buffers are reused by the next step
+  // the pinned staging buffers are rewritten by the next step, which first waits
+  // for this one (feed synchronises at its end)
 }
 
 void CudaSession::forward(int T, bool all_rows) {
@@ -738,6 +788,46 @@ void CudaSession::attention(int l, int T) {
   const int r = c_.ratio(l);
   const float* inv_freq = r > 0 ? m_.comp_inv_freq : m_.main_inv_freq;
   const int np = c_.rope_dim / 2;
+  // Decode runs three independent chains concurrently (graph branches): the
+  // queries on the session stream, the window KV on side 0, the compressor and
+  // the indexer weights on side 1; they join before the indexer scoring and the
+  // attention. Prefill (and profiling) keeps one stream.
+  const bool branch = T <= kGemvMaxT && !prof_.on();
+  cudaStream_t s_kv = branch ? side_[0] : stream_, s_cmp = branch ? side_[1] : stream_;
+  if (branch) {
+    DSX_CUDA_CHECK(cudaEventRecord(ev_fork_, stream_));
+    for (auto& sd : side_) DSX_CUDA_CHECK(cudaStreamWaitEvent(sd, ev_fork_, 0));
+  }
+  // §3.4.2 window KV
+  lin(L.wkv, a_, D, T, act_, kv_raw_, hd, true, 1, s_kv);
+  kv_finish(act_, kv_raw_, L.kv_norm, c_.rms_eps, T, static_cast<int>(hd), np, inv_freq, cache_.d_pos(), chunk_, s_kv);
+  if (branch) DSX_CUDA_CHECK(cudaEventRecord(ev_join_[0], s_kv));
+  prof_.mark("wkv+finish", stream_);
+  // §3.4.3 compressor (KV sources) and the indexer weights, which read only `a`
+  if (r > 0 && c_.is_kv_source(l)) {
+    CompressorArgs ca;
+    ca.T = T, ca.ratio = r, ca.head_dim = static_cast<int>(hd), ca.idx_dim = c_.index_head_dim, ca.n_pairs = np;
+    ca.eps = c_.rms_eps;
+    if (r > 1) {
+      lin(L.comp_wkv, a_, D, T, Act::F32, kappa_, hd, false, 1, s_cmp);
+      lin(L.comp_wgate, a_, D, T, Act::F32, gamma_, hd, false, 1, s_cmp);
+      ca.kv = kappa_, ca.gate = gamma_;
+      ca.proj_kv = cache_.proj_kv(l), ca.proj_gate = cache_.proj_gate(l), ca.proj_cap = cache_.geometry().proj_cap(l);
+    } else {
+      lin(L.comp_wkv, a_, D, T, act_, comp_act_, hd, false, 1, s_cmp);
+      ca.kv_act = comp_act_;
+    }
+    ca.norm = L.comp_norm, ca.inv_freq = m_.comp_inv_freq;
+    ca.wk = reinterpret_cast<const uint16_t*>(L.idx_wk.data), ca.k_norm = L.idx_k_norm;
+    ca.rows = cache_.compressed(l), ca.keys = cache_.keys(l), ca.d_pos = cache_.d_pos();
+    compressor_emit(act_, ca, s_cmp);
+    if (r > 1)
+      proj_store(kappa_, gamma_, T, static_cast<int>(hd), cache_.proj_kv(l), cache_.proj_gate(l),
+                 cache_.geometry().proj_cap(l), cache_.d_pos(), s_cmp);
+    prof_.mark("compressor", stream_);
+  }
+  if (r > 0 && c_.is_index_source(l)) lin(L.idx_weights_proj, a_, D, T, act_, idx_w_, c_.index_n_heads, false, 1, s_cmp);
+  if (branch) DSX_CUDA_CHECK(cudaEventRecord(ev_join_[1], s_cmp));
   // §3.4.1 queries
   lin(L.wq_a, a_, D, T, act_, q_lat_, ql, true);
   rmsnorm(act_, q_lat_, q_lat_, L.q_norm, T, static_cast<int>(ql), c_.rms_eps, nullptr, nullptr, stream_);
@@ -745,44 +835,18 @@ void CudaSession::attention(int l, int T) {
   lin(L.wq_b, q_lat_, ql, T, act_, q_, H * hd, true);
   rope(act_, q_, T, static_cast<int>(H), static_cast<int>(hd), np, inv_freq, cache_.d_pos(), false, stream_);
   prof_.mark("wq_b+rope", stream_);
-  // §3.4.2 window KV
-  lin(L.wkv, a_, D, T, act_, kv_raw_, hd, true);
-  kv_finish(act_, kv_raw_, L.kv_norm, c_.rms_eps, T, static_cast<int>(hd), np, inv_freq, cache_.d_pos(), chunk_, stream_);
-  prof_.mark("wkv+finish", stream_);
-  // §3.4.3-3.4.6 compressed branch
+  // §3.4.4-3.4.6 selection of compressed rows
   Fq4e4Rows cmp{};
   bool have_sel = false;
   if (r > 0) {
     const int src = c_.kv_source_of(l);
-    if (c_.is_kv_source(l)) {
-      CompressorArgs ca;
-      ca.T = T, ca.ratio = r, ca.head_dim = static_cast<int>(hd), ca.idx_dim = c_.index_head_dim, ca.n_pairs = np;
-      ca.eps = c_.rms_eps;
-      if (r > 1) {
-        lin(L.comp_wkv, a_, D, T, Act::F32, kappa_, hd, false);
-        lin(L.comp_wgate, a_, D, T, Act::F32, gamma_, hd, false);
-        ca.kv = kappa_, ca.gate = gamma_;
-        ca.proj_kv = cache_.proj_kv(l), ca.proj_gate = cache_.proj_gate(l), ca.proj_cap = cache_.geometry().proj_cap(l);
-      } else {
-        lin(L.comp_wkv, a_, D, T, act_, comp_act_, hd, false);
-        ca.kv_act = comp_act_;
-      }
-      ca.norm = L.comp_norm, ca.inv_freq = m_.comp_inv_freq;
-      ca.wk = reinterpret_cast<const uint16_t*>(L.idx_wk.data), ca.k_norm = L.idx_k_norm;
-      ca.rows = cache_.compressed(l), ca.keys = cache_.keys(l), ca.d_pos = cache_.d_pos();
-      compressor_emit(act_, ca, stream_);
-      if (r > 1)
-        proj_store(kappa_, gamma_, T, static_cast<int>(hd), cache_.proj_kv(l), cache_.proj_gate(l),
-                   cache_.geometry().proj_cap(l), cache_.d_pos(), stream_);
-      prof_.mark("compressor", stream_);
-    }
     if (c_.is_index_source(l)) {
       const int64_t ih = c_.index_n_heads, ihd = c_.index_head_dim;
       lin(L.idx_wq_b, q_lat_, ql, T, act_, idx_q_, ih * ihd, true);
       rope_fq4e8(act_, idx_q_, idx_qf_, T, static_cast<int>(ih), static_cast<int>(ihd), np, m_.comp_inv_freq,
                  cache_.d_pos(), stream_);
-      lin(L.idx_weights_proj, a_, D, T, act_, idx_w_, ih, false);
       prof_.mark("indexer q/w", stream_);
+      if (branch) DSX_CUDA_CHECK(cudaStreamWaitEvent(stream_, ev_join_[1], 0));
       const bool is_cand = l == c_.candidate_source_layer;
       const bool uses_cand = c_.candidate_source_layer >= 0 && c_.candidate_source_layer < l;
       IndexerScoreArgs ia;
@@ -810,6 +874,10 @@ void CudaSession::attention(int l, int T) {
     }
     cmp = cache_.compressed(src);
     have_sel = true;
+  }
+  if (branch) {
+    DSX_CUDA_CHECK(cudaStreamWaitEvent(stream_, ev_join_[0], 0));
+    DSX_CUDA_CHECK(cudaStreamWaitEvent(stream_, ev_join_[1], 0));
   }
   // §3.4.7 attention, with the inverse RoPE of §3.4.8 fused
   AttnArgs aa;
@@ -862,7 +930,10 @@ void CudaSession::step(const int32_t* ids, int T, bool all_rows) {
       fail("token id ", ids[t], " at position ", pos_ + t, " is outside the vocabulary (", c_.vocab_size, ")");
   if (pos_ + T > max_ctx_)
     fail("context of ", pos_ + T, " tokens exceeds this session's capacity of ", max_ctx_, " (EngineOptions::max_context)");
-  DSX_CUDA_CHECK(cudaMemcpyAsync(d_ids_, ids, static_cast<size_t>(T) * 4, cudaMemcpyHostToDevice, stream_));
+  // the pinned input buffers may still be read by the previous step's copies
+  DSX_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  std::memcpy(h_ids_.data(), ids, static_cast<size_t>(T) * 4);
+  DSX_CUDA_CHECK(cudaMemcpyAsync(d_ids_, h_ids_.data(), static_cast<size_t>(T) * 4, cudaMemcpyHostToDevice, stream_));
   stage_engram(ids, T);
   if (T == 1 && !all_rows) {
     // Decode: the first steps run eagerly (kernels set their launch attributes), then
@@ -904,7 +975,9 @@ void CudaSession::feed(const int32_t* ids, int64_t n, float* logits, bool all_ro
     if (all_rows) {
       DSX_CUDA_CHECK(cudaMemcpyAsync(logits + p * V, logits_, static_cast<size_t>(T * V) * 4, cudaMemcpyDeviceToHost, stream_));
     } else if (last) {
-      DSX_CUDA_CHECK(cudaMemcpyAsync(logits, logits_, static_cast<size_t>(V) * 4, cudaMemcpyDeviceToHost, stream_));
+      DSX_CUDA_CHECK(cudaMemcpyAsync(h_logits_.data(), logits_, static_cast<size_t>(V) * 4, cudaMemcpyDeviceToHost, stream_));
+      DSX_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      std::memcpy(logits, h_logits_.data(), static_cast<size_t>(V) * 4);
     }
   }
   DSX_CUDA_CHECK(cudaStreamSynchronize(stream_));

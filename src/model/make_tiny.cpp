@@ -9,6 +9,7 @@
 
 #include "model/config.h"
 #include "model/engram.h"
+#include "model/make_tiny_quant.h"
 #include "util/error.h"
 #include "util/mmap_file.h"
 #include "util/numerics.h"
@@ -45,6 +46,76 @@ TinySpec TinySpec::preset(const std::string& name) {
 
 namespace {
 
+uint8_t e8m0_of(float pow2) {
+  int e = std::ilogb(pow2);
+  return static_cast<uint8_t>(std::clamp(e + 127, 1, 254));
+}
+
+}  // namespace
+
+namespace {
+
+std::vector<float> normals(std::mt19937_64& rng, float std, int64_t n) {
+  std::vector<float> v(static_cast<size_t>(n));
+  for (auto& x : v) x = std::normal_distribution<float>(0.0f, std)(rng);
+  return v;
+}
+
+}  // namespace
+
+QuantizedWeight random_fp8(std::mt19937_64& rng, float std, int64_t n, int64_t k, int64_t B) {
+  const std::vector<float> v = normals(rng, std, n * k);
+  const int64_t sn = (n + B - 1) / B, sk = (k + B - 1) / B;
+  QuantizedWeight q;
+  q.codes_dtype = DType::F8_E4M3;
+  q.codes_shape = {n, k};
+  q.scales_shape = {sn, sk};
+  std::vector<uint8_t>& codes = q.codes;
+  std::vector<uint8_t>& scales = q.scales;
+  codes.resize(v.size());
+  scales.resize(static_cast<size_t>(sn * sk));
+  for (int64_t bi = 0; bi < sn; ++bi)
+    for (int64_t bj = 0; bj < sk; ++bj) {
+      float amax = 0;
+      for (int64_t i = bi * B; i < std::min(n, (bi + 1) * B); ++i)
+        for (int64_t j = bj * B; j < std::min(k, (bj + 1) * B); ++j) amax = std::max(amax, std::fabs(v[i * k + j]));
+      const float s = pow2ceil(std::max(amax, 1e-30f) / 448.0f);
+      scales[bi * sk + bj] = e8m0_of(s);
+      for (int64_t i = bi * B; i < std::min(n, (bi + 1) * B); ++i)
+        for (int64_t j = bj * B; j < std::min(k, (bj + 1) * B); ++j) codes[i * k + j] = f32_to_e4m3(v[i * k + j] / s);
+    }
+  return q;
+}
+
+QuantizedWeight random_mxfp4(std::mt19937_64& rng, float std, int64_t n, int64_t k) {
+  const std::vector<float> v = normals(rng, std, n * k);
+  QuantizedWeight q;
+  q.codes_dtype = DType::I8;
+  q.codes_shape = {n, k / 2};
+  q.scales_shape = {n, k / 32};
+  std::vector<uint8_t>& packed = q.codes;
+  std::vector<uint8_t>& scales = q.scales;
+  packed.resize(static_cast<size_t>(n * k / 2));
+  scales.resize(static_cast<size_t>(n * k / 32));
+  for (int64_t i = 0; i < n; ++i) {
+    const float* row = v.data() + i * k;
+    for (int64_t b = 0; b < k / 32; ++b) {
+      float amax = 0;
+      for (int64_t j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(row[b * 32 + j]));
+      const float s = pow2ceil(std::max(amax, 1e-30f) / 6.0f);
+      scales[i * (k / 32) + b] = e8m0_of(s);
+      for (int64_t j = 0; j < 32; j += 2) {
+        uint8_t lo = f32_to_e2m1(std::clamp(row[b * 32 + j] / s, -6.f, 6.f));
+        uint8_t hi = f32_to_e2m1(std::clamp(row[b * 32 + j + 1] / s, -6.f, 6.f));
+        packed[i * (k / 2) + (b * 32 + j) / 2] = static_cast<uint8_t>(lo | (hi << 4));
+      }
+    }
+  }
+  return q;
+}
+
+namespace {
+
 class Gen {
  public:
   explicit Gen(uint64_t seed) : rng_(seed) {}
@@ -55,11 +126,6 @@ class Gen {
  private:
   std::mt19937_64 rng_;
 };
-
-uint8_t e8m0_of(float pow2) {
-  int e = std::ilogb(pow2);
-  return static_cast<uint8_t>(std::clamp(e + 127, 1, 254));
-}
 
 struct Builder {
   SafetensorsWriter w;
@@ -81,45 +147,17 @@ struct Builder {
     for (auto& x : v) x = mean + (std > 0 ? g.normal(std) : 0.0f);
     w.add(name, DType::F32, std::move(shape), v);
   }
+  void quantized(const std::string& base, const QuantizedWeight& q) {
+    w.add(base + ".weight", q.codes_dtype, q.codes_shape, q.codes);
+    w.add(base + ".scale", DType::F8_E8M0, q.scales_shape, q.scales);
+  }
   // Dense FP8 with BxB tiles: normal values quantized with one pow2 scale per tile.
   void fp8(const std::string& base, int64_t n, int64_t k, float std) {
-    std::vector<float> v(static_cast<size_t>(n * k));
-    for (auto& x : v) x = g.normal(std);
-    const int64_t sn = (n + B - 1) / B, sk = (k + B - 1) / B;
-    std::vector<uint8_t> codes(v.size()), scales(static_cast<size_t>(sn * sk));
-    for (int64_t bi = 0; bi < sn; ++bi)
-      for (int64_t bj = 0; bj < sk; ++bj) {
-        float amax = 0;
-        for (int64_t i = bi * B; i < std::min(n, (bi + 1) * B); ++i)
-          for (int64_t j = bj * B; j < std::min(k, (bj + 1) * B); ++j) amax = std::max(amax, std::fabs(v[i * k + j]));
-        const float s = pow2ceil(std::max(amax, 1e-30f) / 448.0f);
-        scales[bi * sk + bj] = e8m0_of(s);
-        for (int64_t i = bi * B; i < std::min(n, (bi + 1) * B); ++i)
-          for (int64_t j = bj * B; j < std::min(k, (bj + 1) * B); ++j) codes[i * k + j] = f32_to_e4m3(v[i * k + j] / s);
-      }
-    w.add(base + ".weight", DType::F8_E4M3, {n, k}, codes);
-    w.add(base + ".scale", DType::F8_E8M0, {sn, sk}, scales);
+    quantized(base, random_fp8(g.rng(), std, n, k, B));
   }
   // MXFP4: packed e2m1 (low nibble first) with one pow2 scale per 32 inputs.
   void mxfp4(const std::string& base, int64_t n, int64_t k, float std) {
-    std::vector<uint8_t> packed(static_cast<size_t>(n * k / 2)), scales(static_cast<size_t>(n * k / 32));
-    std::vector<float> row(static_cast<size_t>(k));
-    for (int64_t i = 0; i < n; ++i) {
-      for (auto& x : row) x = g.normal(std);
-      for (int64_t b = 0; b < k / 32; ++b) {
-        float amax = 0;
-        for (int64_t j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(row[b * 32 + j]));
-        const float s = pow2ceil(std::max(amax, 1e-30f) / 6.0f);
-        scales[i * (k / 32) + b] = e8m0_of(s);
-        for (int64_t j = 0; j < 32; j += 2) {
-          uint8_t lo = f32_to_e2m1(std::clamp(row[b * 32 + j] / s, -6.f, 6.f));
-          uint8_t hi = f32_to_e2m1(std::clamp(row[b * 32 + j + 1] / s, -6.f, 6.f));
-          packed[i * (k / 2) + (b * 32 + j) / 2] = static_cast<uint8_t>(lo | (hi << 4));
-        }
-      }
-    }
-    w.add(base + ".weight", DType::I8, {n, k / 2}, packed);
-    w.add(base + ".scale", DType::F8_E8M0, {n, k / 32}, scales);
+    quantized(base, random_mxfp4(g.rng(), std, n, k));
   }
   // Engram table: e4m3 rows with one pow2 scale per 32 columns of each row.
   void engram_table(const std::string& base, int64_t rows, int64_t dim, float std) {

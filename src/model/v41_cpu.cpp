@@ -1,16 +1,18 @@
 // DeepSeek V4.1 forward on the CPU (f32 + the model's quantization points).
-// Section numbers refer to spec model-v41.md.
+// Section numbers refer to spec model-v41.md. Arithmetic: f32, with the multiply-adds
+// fused (the compiler contracts `a * b + c` here; the shared helpers of
+// cpu_common.h are told so with Arith::kFusedF32).
 #include "model/v41_cpu.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <numeric>
 
 #include "kernels/cpu/linear.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/quant.h"
+#include "model/cpu_common.h"
 #include "util/error.h"
 #include "util/threadpool.h"
 
@@ -22,7 +24,8 @@ using Vec = std::vector<float>;
 
 namespace {
 
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+using fwd::kNegInf;
+constexpr fwd::Arith kArith = fwd::Arith::kFusedF32;
 
 // QA8 of every row of x [rows, k] (a copy: the caller keeps the unquantized input).
 Vec qa8_rows(const Vec& x, int64_t k, int block) {
@@ -63,29 +66,9 @@ void fq4e4_vec(float* x, int64_t n) {
   if (n % 16 == 0) cpu::fq4_e4_inplace(x, n, 16);
 }
 
-// Indices of the k largest finite scores, ties broken by the lower index;
-// returned in ascending index order.
-std::vector<int32_t> topk_finite(const float* s, int64_t n, int64_t k) {
-  std::vector<int32_t> idx;
-  for (int64_t j = 0; j < n; ++j)
-    if (s[j] > kNegInf) idx.push_back(static_cast<int32_t>(j));
-  auto better = [&](int32_t a, int32_t b) { return s[a] > s[b] || (s[a] == s[b] && a < b); };
-  if (static_cast<int64_t>(idx.size()) > k) {
-    std::nth_element(idx.begin(), idx.begin() + k, idx.end(), better);
-    idx.resize(static_cast<size_t>(k));
-  }
-  std::sort(idx.begin(), idx.end());
-  return idx;
-}
-
 }  // namespace
 
-struct V41Cpu::Step {
-  int64_t T = 0, p0 = 0;
-  const int32_t* ids = nullptr;
-  ForwardDebug* dbg = nullptr;
-  // RoPE angles of the chunk's positions, [T, n_pairs]
-  Vec cos_main, sin_main, cos_comp, sin_comp;
+struct V41Cpu::Step : fwd::StepBase {
   // Engram row ids [T, n_engram_layers, n_cols]
   std::vector<int64_t> engram_ids;
   // Published by index sources for the rest of the step (spec §3.4.6).
@@ -96,9 +79,6 @@ struct V41Cpu::Step {
   bool have_cand = false;
   int64_t cand_cols = 0;
   std::vector<uint8_t> cand;
-
-  const float* cos(bool comp, int64_t t, int np) const { return (comp ? cos_comp : cos_main).data() + t * np; }
-  const float* sin(bool comp, int64_t t, int np) const { return (comp ? sin_comp : sin_main).data() + t * np; }
 };
 
 V41Cpu::V41Cpu(ModelConfig cfg, ModelWeights weights, std::vector<int32_t> engram_token_map)
@@ -159,51 +139,11 @@ void V41Cpu::engram(int layer, Step& s, Vec& X) const {
 // §3.3.1 hyper-connection mixing coefficients for every token.
 void V41Cpu::hc_mix(const QMatrix& fn, const Vec& base, const Vec& scale, const Vec& X, int64_t T, Vec& pre,
                     Vec& post, Vec& comb) const {
-  const int64_t M = cfg_.hc_mult, F = cfg_.hc_dim(), mix = cfg_.hc_mix_dim();
+  const int64_t F = cfg_.hc_dim();
   Vec flat = X;
   for (int64_t t = 0; t < T; ++t) rmsnorm(flat.data() + t * F, nullptr, F, cfg_.rms_eps, flat.data() + t * F);
   Vec z = linear(flat, T, fn);  // [T, mix]
-  pre.resize(static_cast<size_t>(T * M));
-  post.resize(static_cast<size_t>(T * M));
-  comb.resize(static_cast<size_t>(T * M * M));
-  const float eps = cfg_.hc_eps;
-  for (int64_t t = 0; t < T; ++t) {
-    const float* zt = z.data() + t * mix;
-    for (int64_t m = 0; m < M; ++m) {
-      pre[t * M + m] = cpu::sigmoid(zt[m] * scale[0] + base[m]) + eps;
-      post[t * M + m] = 2.0f * cpu::sigmoid(zt[M + m] * scale[1] + base[M + m]);
-    }
-    float* C = comb.data() + t * M * M;  // C[j * M + k], j = source stream
-    for (int64_t j = 0; j < M; ++j) {
-      float mx = kNegInf;
-      for (int64_t k = 0; k < M; ++k) {
-        C[j * M + k] = zt[2 * M + j * M + k] * scale[2] + base[2 * M + j * M + k];
-        mx = std::max(mx, C[j * M + k]);
-      }
-      float sum = 0;
-      for (int64_t k = 0; k < M; ++k) sum += (C[j * M + k] = std::exp(C[j * M + k] - mx));
-      for (int64_t k = 0; k < M; ++k) C[j * M + k] = C[j * M + k] / sum + eps;
-    }
-    auto col_norm = [&] {
-      for (int64_t k = 0; k < M; ++k) {
-        float s = 0;
-        for (int64_t j = 0; j < M; ++j) s += C[j * M + k];
-        for (int64_t j = 0; j < M; ++j) C[j * M + k] /= (s + eps);
-      }
-    };
-    auto row_norm = [&] {
-      for (int64_t j = 0; j < M; ++j) {
-        float s = 0;
-        for (int64_t k = 0; k < M; ++k) s += C[j * M + k];
-        for (int64_t k = 0; k < M; ++k) C[j * M + k] /= (s + eps);
-      }
-    };
-    col_norm();
-    for (int it = 1; it < cfg_.hc_sinkhorn_iters; ++it) {
-      row_norm();
-      col_norm();
-    }
-  }
+  fwd::hc_coefficients(cfg_, z, base, scale, T, kArith, pre, post, comb);
 }
 
 // ---------------------------------------------------------------------------
@@ -298,21 +238,8 @@ void V41Cpu::indexer(int layer, Step& s, KVState& st, const Vec& a, const Vec& q
     Vec score(static_cast<size_t>(n_comp));
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n_vis = (s.p0 + t + 1) / r;
-      const float* qt = q.data() + t * ih * ihd;
-      const float* wt = wts.data() + t * ih;
-      for (int64_t j = 0; j < n_comp; ++j) {
-        if (j >= n_vis) {
-          score[static_cast<size_t>(j)] = kNegInf;
-          continue;
-        }
-        const float* kj = c.keys.data() + j * ihd;
-        float acc = 0;
-        for (int64_t h = 0; h < ih; ++h) {
-          const float d = cpu::dot(qt + h * ihd, kj, ihd);
-          acc += (std::max(d, 0.0f) * softmax_scale) * wt[h];
-        }
-        score[static_cast<size_t>(j)] = acc;
-      }
+      fwd::index_scores(q.data() + t * ih * ihd, wts.data() + t * ih, c.keys.data(), n_comp, n_vis, ih, ihd,
+                        softmax_scale, kArith, cpu::dot, score.data());
       if (is_cand_source) {
         // two-level top-k: keep the best candidate blocks; the newest block is pinned
         const int64_t bs = cfg_.candidate_block_size;
@@ -321,7 +248,7 @@ void V41Cpu::indexer(int layer, Step& s, KVState& st, const Vec& a, const Vec& q
         for (int64_t j = 0; j < n_comp; ++j)
           bscore[static_cast<size_t>(j / bs)] = std::max(bscore[static_cast<size_t>(j / bs)], score[static_cast<size_t>(j)]);
         if (n_vis >= 1) bscore[static_cast<size_t>((n_vis - 1) / bs)] = std::numeric_limits<float>::infinity();
-        auto kept = topk_finite(bscore.data(), nb, std::min<int64_t>(cfg_.candidate_topk_blocks, nb));
+        auto kept = fwd::topk_finite(bscore.data(), nb, std::min<int64_t>(cfg_.candidate_topk_blocks, nb));
         uint8_t* mask = s.cand.data() + t * n_comp;
         for (int32_t b : kept)
           for (int64_t j = b * bs; j < std::min(n_comp, (b + 1) * bs); ++j) mask[j] = 1;
@@ -330,16 +257,14 @@ void V41Cpu::indexer(int layer, Step& s, KVState& st, const Vec& a, const Vec& q
         for (int64_t j = 0; j < n_comp; ++j)
           if (j >= s.cand_cols || !mask[j]) score[static_cast<size_t>(j)] = kNegInf;
       }
-      s.sel[static_cast<size_t>(t)] = topk_finite(score.data(), n_comp, std::min<int64_t>(cfg_.index_topk, n_comp));
+      s.sel[static_cast<size_t>(t)] =
+          fwd::topk_finite(score.data(), n_comp, std::min<int64_t>(cfg_.index_topk, n_comp));
     }
   });
   s.have_sel = true;
   s.sel_source = src;
   if (s.dbg) {
-    auto& d = s.dbg->sparse_topk[static_cast<size_t>(layer)];
-    d.assign(static_cast<size_t>(T * cfg_.index_topk), -1);
-    for (int64_t t = 0; t < T; ++t)
-      std::copy(s.sel[t].begin(), s.sel[t].end(), d.begin() + t * cfg_.index_topk);
+    fwd::record_selection(s.dbg->sparse_topk[static_cast<size_t>(layer)], s.sel, T, cfg_.index_topk);
     if (is_cand_source) {
       s.dbg->candidate_mask = s.cand;
       s.dbg->candidate_mask_cols = n_comp;
@@ -351,7 +276,7 @@ void V41Cpu::indexer(int layer, Step& s, KVState& st, const Vec& a, const Vec& q
 // §3.4 attention of one layer for the step's tokens.
 void V41Cpu::attention(int layer, Step& s, KVState& st, const Vec& a, Vec& out) const {
   const LayerWeights& L = w_.layers[static_cast<size_t>(layer)];
-  const int64_t T = s.T, D = cfg_.hidden, H = cfg_.n_heads, hd = cfg_.head_dim, B = cfg_.quant_block;
+  const int64_t T = s.T, H = cfg_.n_heads, hd = cfg_.head_dim, B = cfg_.quant_block;
   const int64_t r = cfg_.ratio(layer);
   const bool comp_rope = r > 0;
   const int np = cfg_.rope_dim / 2;
@@ -407,9 +332,7 @@ void V41Cpu::attention(int layer, Step& s, KVState& st, const Vec& a, Vec& out) 
     Vec logit;
     for (int64_t th = b; th < e; ++th) {
       const int64_t t = th / H, h = th % H, p = s.p0 + t;
-      keys.clear();
-      for (int64_t w = std::max<int64_t>(0, p - W + 1); w <= p; ++w)
-        keys.push_back(w >= s.p0 ? kv.data() + (w - s.p0) * hd : ring.row(w));
+      fwd::window_keys(p, s.p0, W, kv.data(), hd, ring, keys);
       if (comp && s.have_sel)
         for (int32_t j : s.sel[static_cast<size_t>(t)]) keys.push_back(comp->rows.data() + static_cast<int64_t>(j) * hd);
       const float* qh = q.data() + (t * H + h) * hd;
@@ -430,123 +353,44 @@ void V41Cpu::attention(int layer, Step& s, KVState& st, const Vec& a, Vec& out) 
       }
     }
   });
-  // the chunk's window rows enter the ring (after every query of the chunk read it)
-  WindowRing& wring = st.windows[static_cast<size_t>(layer)];
-  for (int64_t t = std::max<int64_t>(0, T - wring.cap); t < T; ++t)
-    std::memcpy(wring.row(s.p0 + t), kv.data() + t * hd, hd * 4);
+  fwd::push_window(st.windows[static_cast<size_t>(layer)], kv, s.p0, T, hd);
 
   // §3.4.8 inverse RoPE, grouped output projection (wo_a in bf16/f32, no QA8), wo_b
   for (int64_t t = 0; t < T; ++t)
     for (int64_t h = 0; h < H; ++h)
       cpu::rope_apply(o.data() + (t * H + h) * hd, hd, np, s.cos(comp_rope, t, np), s.sin(comp_rope, t, np), true);
-  const int64_t G = cfg_.o_groups, ol = cfg_.o_lora_rank, gw = H / G * hd;
-  Vec zeta(static_cast<size_t>(T * G * ol));
-  Vec og(static_cast<size_t>(T * gw));
-  for (int64_t g = 0; g < G; ++g) {
-    for (int64_t t = 0; t < T; ++t) std::memcpy(og.data() + t * gw, o.data() + t * H * hd + g * gw, gw * 4);
-    cpu::matmul_rows(og.data(), T, L.wo_a, g * ol, (g + 1) * ol, zeta.data() + g * ol, G * ol);
-  }
+  Vec zeta = fwd::grouped_output(o, T, H, hd, cfg_.o_groups, cfg_.o_lora_rank, L.wo_a, cpu::matmul_rows);
   out = linear_q(zeta, T, L.wo_b, B);
-  (void)D;
 }
 
 // ---------------------------------------------------------------------------
 // §3.5 mixture of experts: router, routed experts, shared expert.
 void V41Cpu::moe(int layer, Step& s, const Vec& f, Vec& out) const {
   const LayerWeights& L = w_.layers[static_cast<size_t>(layer)];
-  const int64_t T = s.T, D = cfg_.hidden, E = cfg_.n_routed_experts, K = cfg_.n_experts_per_tok, I = cfg_.moe_inter;
+  const int64_t T = s.T, D = cfg_.hidden, K = cfg_.n_experts_per_tok;
   const int B = cfg_.quant_block;
   Vec logits = linear(f, T, L.gate);  // [T, E] f32
-  std::vector<int32_t> chosen(static_cast<size_t>(T * K));
-  Vec weight(static_cast<size_t>(T * K));
-  for (int64_t t = 0; t < T; ++t) {
-    Vec sc(static_cast<size_t>(E)), biased(static_cast<size_t>(E));
-    for (int64_t e = 0; e < E; ++e) {
-      sc[e] = std::sqrt(cpu::softplus(logits[t * E + e] / cfg_.gate_temp));
-      biased[e] = sc[e] + L.gate_bias[static_cast<size_t>(e)];
-    }
-    std::vector<int32_t> idx(static_cast<size_t>(E));
-    std::iota(idx.begin(), idx.end(), 0);
-    std::partial_sort(idx.begin(), idx.begin() + K, idx.end(),
-                      [&](int32_t a, int32_t b) { return biased[a] > biased[b] || (biased[a] == biased[b] && a < b); });
-    float sum = 0;
-    for (int64_t k = 0; k < K; ++k) sum += sc[idx[k]];
-    for (int64_t k = 0; k < K; ++k) {
-      chosen[t * K + k] = idx[k];
-      float wk = sc[idx[k]];
-      if (cfg_.norm_topk_prob && K > 1) wk = wk / (sum + 1e-20f);
-      weight[t * K + k] = wk * cfg_.routed_scaling;
-    }
-  }
+  std::vector<int32_t> chosen;
+  Vec weight;
+  // top-k of the biased scores; a single expert keeps its raw score
+  fwd::route(cfg_, logits, T, L.gate_bias.data(), /*hash=*/nullptr, s.ids, cfg_.norm_topk_prob && K > 1, chosen,
+             weight);
   if (s.dbg) s.dbg->router_experts[static_cast<size_t>(layer)] = chosen;
 
-  const float lim = cfg_.swiglu_limit;
-  auto swiglu = [&](float g, float u) {
-    if (lim > 0) {
-      u = std::clamp(u, -lim, lim);
-      g = std::min(g, lim);
-    }
-    return cpu::silu(g) * u;
-  };
   Vec fq = qa8_rows(f, D, B);  // the w1/w3 input, shared by all experts of a token
-  out.assign(static_cast<size_t>(T * D), 0.0f);
-  for (int64_t e = 0; e < E; ++e) {
-    std::vector<int64_t> tok;
-    Vec wt;
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t k = 0; k < K; ++k)
-        if (chosen[t * K + k] == e) {
-          tok.push_back(t);
-          wt.push_back(weight[t * K + k]);
-        }
-    if (tok.empty()) continue;
-    const int64_t n = static_cast<int64_t>(tok.size());
-    Vec x(static_cast<size_t>(n * D));
-    for (int64_t i = 0; i < n; ++i) std::memcpy(x.data() + i * D, fq.data() + tok[i] * D, D * 4);
-    Vec g(static_cast<size_t>(n * I)), u(static_cast<size_t>(n * I));
-    matmul(x.data(), n, L.w1[static_cast<size_t>(e)], g.data());
-    matmul(x.data(), n, L.w3[static_cast<size_t>(e)], u.data());
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t j = 0; j < I; ++j) g[i * I + j] = wt[i] * swiglu(g[i * I + j], u[i * I + j]);
-    Vec y = linear_q(g, n, L.w2[static_cast<size_t>(e)], B);
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t d = 0; d < D; ++d) out[tok[i] * D + d] += y[i * D + d];
-  }
-  Vec g(static_cast<size_t>(T * I)), u(static_cast<size_t>(T * I));
-  matmul(fq.data(), T, L.sw1, g.data());
-  matmul(fq.data(), T, L.sw3, u.data());
-  for (int64_t i = 0; i < T * I; ++i) g[i] = swiglu(g[i], u[i]);
-  Vec y = linear_q(g, T, L.sw2, B);
-  for (int64_t i = 0; i < T * D; ++i) out[i] += y[i];
+  fwd::experts(cfg_, fq, T, chosen, weight, {L.w1, L.w2, L.w3, L.sw1, L.sw2, L.sw3}, matmul,
+               [&](const Vec& g, int64_t n, const QMatrix& W, int64_t, const int64_t*) { return linear_q(g, n, W, B); },
+               out);
 }
 
 // ---------------------------------------------------------------------------
 // §3.7 the whole forward for a chunk of tokens.
 void V41Cpu::forward(KVState& st, const int32_t* ids, int64_t T, float* logits, bool all_rows,
                      ForwardDebug* dbg) const {
-  DSX_CHECK(T > 0, "forward: no tokens");
-  for (int64_t t = 0; t < T; ++t)
-    if (ids[t] < 0 || ids[t] >= cfg_.vocab_size)
-      fail("token id ", ids[t], " at position ", st.pos + t, " is outside the vocabulary (", cfg_.vocab_size, ")");
-  const int64_t D = cfg_.hidden, M = cfg_.hc_mult, NL = cfg_.n_layers;
   Step s;
-  s.T = T;
-  s.p0 = st.pos;
-  s.ids = ids;
-  s.dbg = dbg;
-  if (dbg) {
-    *dbg = ForwardDebug{};
-    dbg->router_experts.resize(static_cast<size_t>(NL));
-    dbg->sparse_topk.resize(static_cast<size_t>(NL));
-    dbg->attn_norm_out.resize(static_cast<size_t>(NL));
-    dbg->ffn_norm_out.resize(static_cast<size_t>(NL));
-  }
-  const int np = cfg_.rope_dim / 2;
-  for (auto* v : {&s.cos_main, &s.sin_main, &s.cos_comp, &s.sin_comp}) v->resize(static_cast<size_t>(T * np));
-  for (int64_t t = 0; t < T; ++t) {
-    main_rope_.angles(s.p0 + t, s.cos_main.data() + t * np, s.sin_main.data() + t * np);
-    compress_rope_.angles(s.p0 + t, s.cos_comp.data() + t * np, s.sin_comp.data() + t * np);
-  }
+  fwd::begin_step(s, cfg_, main_rope_, compress_rope_, st, ids, T, dbg);
+  const int64_t D = cfg_.hidden, M = cfg_.hc_mult, NL = cfg_.n_layers;
+
   // §3.2.2 Engram row ids from the absolute-position token history
   if (engram_.n_layers > 0) {
     const int64_t back = engram_.max_ngram - 1;
@@ -564,39 +408,13 @@ void V41Cpu::forward(KVState& st, const int32_t* ids, int64_t T, float* logits, 
   }
 
   // §3.1 embedding: every stream starts as the token's embedding; pre-mix one-hot
-  Vec X(static_cast<size_t>(T * M * D));
-  for (int64_t t = 0; t < T; ++t) {
-    w_.embed.dequant_rows(ids[t], ids[t] + 1, X.data() + t * M * D);
-    for (int64_t m = 1; m < M; ++m) std::memcpy(X.data() + (t * M + m) * D, X.data() + t * M * D, D * 4);
-  }
+  Vec X = fwd::embed_streams(w_.embed, ids, T, M, D);
   Vec pre(static_cast<size_t>(T * M), 0.0f);
   for (int64_t t = 0; t < T; ++t) pre[t * M] = 1.0f;
 
-  auto collapse = [&](const Vec& p) {
-    Vec y(static_cast<size_t>(T * D), 0.0f);
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t m = 0; m < M; ++m) {
-        const float pm = p[t * M + m];
-        const float* x = X.data() + (t * M + m) * D;
-        float* yt = y.data() + t * D;
-        for (int64_t d = 0; d < D; ++d) yt[d] += pm * x[d];
-      }
-    return y;
-  };
+  auto collapse = [&](const Vec& p) { return fwd::hc_collapse(X, p, T, M, D, kArith); };
   auto expand = [&](const Vec& y, const Vec& post, const Vec& comb) {
-    Vec nx(X.size());
-    for (int64_t t = 0; t < T; ++t) {
-      const float* C = comb.data() + t * M * M;
-      for (int64_t k = 0; k < M; ++k) {
-        float* o = nx.data() + (t * M + k) * D;
-        for (int64_t d = 0; d < D; ++d) {
-          float mixed = 0;
-          for (int64_t j = 0; j < M; ++j) mixed += C[j * M + k] * X[(t * M + j) * D + d];
-          o[d] = post[t * M + k] * y[t * D + d] + mixed;
-        }
-      }
-    }
-    X.swap(nx);
+    fwd::hc_expand(X, y, post, comb, T, M, D, kArith);
   };
 
   Vec pa, qa, Ca, pf, qf, Cf, y;
@@ -620,14 +438,7 @@ void V41Cpu::forward(KVState& st, const int32_t* ids, int64_t T, float* logits, 
   // §3.6 final fold, norm, head
   Vec h = collapse(pre);
   rmsnorm_rows(h, D, w_.norm, cfg_.rms_eps);
-  if (dbg) dbg->final_norm_out = h;
-  if (all_rows) {
-    matmul(h.data(), T, w_.head, logits);
-  } else {
-    matmul(h.data() + (T - 1) * D, 1, w_.head, logits);
-  }
-  st.tokens.insert(st.tokens.end(), ids, ids + T);
-  st.pos += T;
+  fwd::end_step(st, ids, T, h, D, w_.head, all_rows, logits, dbg, matmul);
 }
 
 }  // namespace dsx

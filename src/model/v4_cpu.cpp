@@ -11,14 +11,13 @@
 // f64) and rounded once to f32, i.e. it is the correctly rounded value the
 // reference's own f32 sums approximate. Element-wise operations are done in f32,
 // in the reference's order, without fused multiply-adds (the pragma below; torch
-// evaluates `a * b + c` as two rounded operations).
+// evaluates `a * b + c` as two rounded operations). The helpers shared with V41Cpu
+// (cpu_common.h) are told so with Arith::kUnfusedF64 and get this file's products.
 #include "model/v4_cpu.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <limits>
-#include <numeric>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -26,6 +25,7 @@
 
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/quant.h"
+#include "model/cpu_common.h"
 #include "util/error.h"
 #include "util/threadpool.h"
 
@@ -39,7 +39,8 @@ using Vec = std::vector<float>;
 
 namespace {
 
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+using fwd::kNegInf;
+constexpr fwd::Arith kArith = fwd::Arith::kUnfusedF64;
 
 // Σ a[i]·b[i] accumulated in f64 (products exact), not rounded.
 double dot_f64(const float* a, const float* b, int64_t n) {
@@ -130,33 +131,9 @@ void rope(float* x, int64_t len, int n_pairs, const float* cos, const float* sin
   }
 }
 
-// Indices of the k largest finite scores, ties broken by the lower index;
-// returned in ascending index order.
-std::vector<int32_t> topk_finite(const float* s, int64_t n, int64_t k) {
-  std::vector<int32_t> idx;
-  for (int64_t j = 0; j < n; ++j)
-    if (s[j] > kNegInf) idx.push_back(static_cast<int32_t>(j));
-  auto better = [&](int32_t a, int32_t b) { return s[a] > s[b] || (s[a] == s[b] && a < b); };
-  if (static_cast<int64_t>(idx.size()) > k) {
-    std::nth_element(idx.begin(), idx.begin() + k, idx.end(), better);
-    idx.resize(static_cast<size_t>(k));
-  }
-  std::sort(idx.begin(), idx.end());
-  return idx;
-}
-
 }  // namespace
 
-struct V4Cpu::Step {
-  int64_t T = 0, p0 = 0;
-  const int32_t* ids = nullptr;
-  ForwardDebug* dbg = nullptr;
-  // RoPE angles of the chunk's positions, [T, n_pairs]
-  Vec cos_main, sin_main, cos_comp, sin_comp;
-
-  const float* cos(bool comp, int64_t t, int np) const { return (comp ? cos_comp : cos_main).data() + t * np; }
-  const float* sin(bool comp, int64_t t, int np) const { return (comp ? sin_comp : sin_main).data() + t * np; }
-};
+struct V4Cpu::Step : fwd::StepBase {};
 
 V4Cpu::V4Cpu(ModelConfig cfg, ModelWeightsV4 weights) : cfg_(std::move(cfg)), w_(std::move(weights)) {
   if (cfg_.family != Family::V4) fail("V4Cpu: model_type '", cfg_.model_type, "' is not deepseek_v4");
@@ -244,51 +221,10 @@ void V4Cpu::check_state(const KVState& st) const {
 // for the input normalisation, hc_eps for pre / comb / Sinkhorn).
 void V4Cpu::hc_mix(const QMatrix& fn, const Vec& base, const Vec& scale, const Vec& X, int64_t T, Vec& pre,
                    Vec& post, Vec& comb) const {
-  const int64_t M = cfg_.hc_mult, F = cfg_.hc_dim(), mix = cfg_.hc_mix_dim();
   Vec flat = X;
-  rmsnorm_rows(flat, F, nullptr, cfg_.rms_eps);
+  rmsnorm_rows(flat, cfg_.hc_dim(), nullptr, cfg_.rms_eps);
   Vec z = linear(flat, T, fn);  // [T, mix]
-  pre.resize(static_cast<size_t>(T * M));
-  post.resize(static_cast<size_t>(T * M));
-  comb.resize(static_cast<size_t>(T * M * M));
-  const float eps = cfg_.hc_eps;
-  for (int64_t t = 0; t < T; ++t) {
-    const float* zt = z.data() + t * mix;
-    for (int64_t m = 0; m < M; ++m) {
-      pre[t * M + m] = cpu::sigmoid(zt[m] * scale[0] + base[m]) + eps;
-      post[t * M + m] = 2.0f * cpu::sigmoid(zt[M + m] * scale[1] + base[M + m]);
-    }
-    float* C = comb.data() + t * M * M;  // C[j * M + k], j = source stream
-    for (int64_t j = 0; j < M; ++j) {
-      float mx = kNegInf;
-      for (int64_t k = 0; k < M; ++k) {
-        C[j * M + k] = zt[2 * M + j * M + k] * scale[2] + base[2 * M + j * M + k];
-        mx = std::max(mx, C[j * M + k]);
-      }
-      float sum = 0;
-      for (int64_t k = 0; k < M; ++k) sum += (C[j * M + k] = std::exp(C[j * M + k] - mx));
-      for (int64_t k = 0; k < M; ++k) C[j * M + k] = C[j * M + k] / sum + eps;
-    }
-    auto col_norm = [&] {
-      for (int64_t k = 0; k < M; ++k) {
-        float s = 0;
-        for (int64_t j = 0; j < M; ++j) s += C[j * M + k];
-        for (int64_t j = 0; j < M; ++j) C[j * M + k] /= (s + eps);
-      }
-    };
-    auto row_norm = [&] {
-      for (int64_t j = 0; j < M; ++j) {
-        float s = 0;
-        for (int64_t k = 0; k < M; ++k) s += C[j * M + k];
-        for (int64_t k = 0; k < M; ++k) C[j * M + k] /= (s + eps);
-      }
-    };
-    col_norm();
-    for (int it = 1; it < cfg_.hc_sinkhorn_iters; ++it) {
-      row_norm();
-      col_norm();
-    }
-  }
+  fwd::hc_coefficients(cfg_, z, base, scale, T, kArith, pre, post, comb);
 }
 
 // ---------------------------------------------------------------------------
@@ -423,26 +359,12 @@ void V4Cpu::indexer(int layer, Step& s, const KVState& st, const Vec& a, const V
     Vec score(static_cast<size_t>(n_comp));
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n_vis = (s.p0 + t + 1) / r;
-      const float* ut = u.data() + t * ih * ihd;
-      const float* wt = wts.data() + t * ih;
-      for (int64_t j = 0; j < n_comp; ++j) {
-        if (j >= n_vis) {
-          score[static_cast<size_t>(j)] = kNegInf;
-          continue;
-        }
-        const float* kj = c.keys.data() + j * ihd;
-        double acc = 0;
-        for (int64_t h = 0; h < ih; ++h) acc += (std::max(dot(ut + h * ihd, kj, ihd), 0.0f) * sscale) * wt[h];
-        score[static_cast<size_t>(j)] = static_cast<float>(acc);
-      }
-      sel[static_cast<size_t>(t)] = topk_finite(score.data(), n_comp, std::min<int64_t>(cfg_.index_topk, n_comp));
+      fwd::index_scores(u.data() + t * ih * ihd, wts.data() + t * ih, c.keys.data(), n_comp, n_vis, ih, ihd, sscale,
+                        kArith, dot, score.data());
+      sel[static_cast<size_t>(t)] = fwd::topk_finite(score.data(), n_comp, std::min<int64_t>(cfg_.index_topk, n_comp));
     }
   });
-  if (s.dbg) {
-    auto& d = s.dbg->sparse_topk[static_cast<size_t>(layer)];
-    d.assign(static_cast<size_t>(T * cfg_.index_topk), -1);
-    for (int64_t t = 0; t < T; ++t) std::copy(sel[t].begin(), sel[t].end(), d.begin() + t * cfg_.index_topk);
-  }
+  if (s.dbg) fwd::record_selection(s.dbg->sparse_topk[static_cast<size_t>(layer)], sel, T, cfg_.index_topk);
 }
 
 // ---------------------------------------------------------------------------
@@ -489,9 +411,7 @@ void V4Cpu::attention(int layer, Step& s, KVState& st, const Vec& a, Vec& out) c
     std::vector<double> acc;
     for (int64_t th = b; th < e; ++th) {
       const int64_t t = th / H, h = th % H, p = s.p0 + t;
-      keys.clear();
-      for (int64_t w = std::max<int64_t>(0, p - W + 1); w <= p; ++w)
-        keys.push_back(w >= s.p0 ? kv.data() + (w - s.p0) * hd : ring.row(w));
+      fwd::window_keys(p, s.p0, W, kv.data(), hd, ring, keys);
       if (L.kind == V4LayerKind::CSA) {
         for (int32_t j : sel[static_cast<size_t>(t)]) keys.push_back(comp->rows.data() + static_cast<int64_t>(j) * hd);
       } else if (L.kind == V4LayerKind::HCA) {
@@ -519,23 +439,13 @@ void V4Cpu::attention(int layer, Step& s, KVState& st, const Vec& a, Vec& out) c
       for (int64_t i = 0; i < hd; ++i) oh[i] = static_cast<float>(acc[i]);
     }
   });
-  // the chunk's window rows enter the ring (after every query of the chunk read it)
-  WindowRing& wring = st.windows[static_cast<size_t>(layer)];
-  for (int64_t t = std::max<int64_t>(0, T - wring.cap); t < T; ++t)
-    std::memcpy(wring.row(s.p0 + t), kv.data() + t * hd, static_cast<size_t>(hd) * 4);
+  fwd::push_window(st.windows[static_cast<size_t>(layer)], kv, s.p0, T, hd);
 
   // §3.4.8 inverse RoPE, grouped output projection (wo_a without QA8), wo_b
   for (int64_t t = 0; t < T; ++t)
     for (int64_t h = 0; h < H; ++h)
       rope(o.data() + (t * H + h) * hd, hd, np, s.cos(comp_rope, t, np), s.sin(comp_rope, t, np), true);
-  const int64_t G = cfg_.o_groups, ol = cfg_.o_lora_rank, gw = H / G * hd;
-  Vec zeta(static_cast<size_t>(T * G * ol));
-  Vec og(static_cast<size_t>(T * gw));
-  for (int64_t g = 0; g < G; ++g) {
-    for (int64_t t = 0; t < T; ++t)
-      std::memcpy(og.data() + t * gw, o.data() + t * H * hd + g * gw, static_cast<size_t>(gw) * 4);
-    matmul_rows(og.data(), T, L.wo_a, g * ol, (g + 1) * ol, zeta.data() + g * ol, G * ol);
-  }
+  Vec zeta = fwd::grouped_output(o, T, H, hd, cfg_.o_groups, cfg_.o_lora_rank, L.wo_a, matmul_rows);
   out = linear_q(zeta, T, L.wo_b, layer, "wo_b", s.p0);
 }
 
@@ -544,83 +454,29 @@ void V4Cpu::attention(int layer, Step& s, KVState& st, const Vec& a, Vec& out) c
 // layers), routed experts (routing weight before w2's QA8), shared expert.
 void V4Cpu::moe(int layer, Step& s, const Vec& f, Vec& out) const {
   const LayerWeightsV4& L = w_.layers[static_cast<size_t>(layer)];
-  const int64_t T = s.T, D = cfg_.hidden, E = cfg_.n_routed_experts, K = cfg_.n_experts_per_tok, I = cfg_.moe_inter;
+  const int64_t T = s.T, D = cfg_.hidden;
   const int B = cfg_.quant_block;
-  const bool hashed = !L.tid2eid.empty();
   Vec logits = linear(f, T, L.gate);  // [T, E] f32
-  std::vector<int32_t> chosen(static_cast<size_t>(T * K));
-  Vec weight(static_cast<size_t>(T * K));
-  for (int64_t t = 0; t < T; ++t) {
-    Vec sc(static_cast<size_t>(E));
-    for (int64_t e = 0; e < E; ++e) sc[e] = std::sqrt(cpu::softplus(logits[t * E + e] / cfg_.gate_temp));
-    int32_t* idx = chosen.data() + t * K;
-    if (hashed) {
-      // §6.3.9: the experts are tid2eid[token]; the weights still come from the scores
-      std::copy_n(L.tid2eid.data() + static_cast<int64_t>(s.ids[t]) * K, K, idx);
-    } else {
-      Vec biased(static_cast<size_t>(E));
-      for (int64_t e = 0; e < E; ++e) biased[e] = sc[e] + L.gate_bias[static_cast<size_t>(e)];
-      std::vector<int32_t> order(static_cast<size_t>(E));
-      std::iota(order.begin(), order.end(), 0);
-      std::partial_sort(order.begin(), order.begin() + K, order.end(), [&](int32_t x, int32_t y) {
-        return biased[x] > biased[y] || (biased[x] == biased[y] && x < y);
-      });
-      std::copy_n(order.begin(), K, idx);
-    }
-    float sum = 0;
-    for (int64_t k = 0; k < K; ++k) sum += sc[idx[k]];
-    for (int64_t k = 0; k < K; ++k) {
-      float wk = sc[idx[k]];
-      if (cfg_.norm_topk_prob) wk = wk / (sum + 1e-20f);
-      weight[t * K + k] = wk * cfg_.routed_scaling;
-    }
-  }
+  std::vector<int32_t> chosen;
+  Vec weight;
+  // §6.3.9: in hash-routed layers the experts are tid2eid[token]; the weights still
+  // come from the scores (normalised even for a single expert)
+  const int32_t* hash = L.tid2eid.empty() ? nullptr : L.tid2eid.data();
+  fwd::route(cfg_, logits, T, L.gate_bias.data(), hash, s.ids, cfg_.norm_topk_prob, chosen, weight);
   if (s.dbg) s.dbg->router_experts[static_cast<size_t>(layer)] = chosen;
 
-  const float lim = cfg_.swiglu_limit;
-  auto swiglu = [&](float g, float u) {
-    if (lim > 0) {
-      u = std::clamp(u, -lim, lim);
-      g = std::min(g, lim);
-    }
-    return cpu::silu(g) * u;
-  };
   // the w1/w3 input, quantized once and shared by all experts of a token (and the shared expert)
   Vec fq = f;
   for (int64_t t = 0; t < T; ++t) {
     if (probe_) probe_(layer, "w1w3", s.p0 + t, fq.data() + t * D, D);
     cpu::qa8_inplace(fq.data() + t * D, D, B);
   }
-  out.assign(static_cast<size_t>(T * D), 0.0f);
-  for (int64_t e = 0; e < E; ++e) {  // ascending expert id, as the reference adds them
-    std::vector<int64_t> tok;
-    Vec wt;
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t k = 0; k < K; ++k)
-        if (chosen[t * K + k] == e) {
-          tok.push_back(t);
-          wt.push_back(weight[t * K + k]);
-        }
-    if (tok.empty()) continue;
-    const int64_t n = static_cast<int64_t>(tok.size());
-    Vec x(static_cast<size_t>(n * D));
-    for (int64_t i = 0; i < n; ++i) std::memcpy(x.data() + i * D, fq.data() + tok[i] * D, static_cast<size_t>(D) * 4);
-    Vec g(static_cast<size_t>(n * I)), u(static_cast<size_t>(n * I));
-    matmul(x.data(), n, L.w1[static_cast<size_t>(e)], g.data());
-    matmul(x.data(), n, L.w3[static_cast<size_t>(e)], u.data());
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t j = 0; j < I; ++j) g[i * I + j] = wt[i] * swiglu(g[i * I + j], u[i * I + j]);
-    const std::string site = "w2." + std::to_string(e);
-    Vec y = linear_q(g, n, L.w2[static_cast<size_t>(e)], layer, site.c_str(), s.p0, tok.data());
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t d = 0; d < D; ++d) out[tok[i] * D + d] += y[i * D + d];
-  }
-  Vec g(static_cast<size_t>(T * I)), u(static_cast<size_t>(T * I));
-  matmul(fq.data(), T, L.sw1, g.data());
-  matmul(fq.data(), T, L.sw3, u.data());
-  for (int64_t i = 0; i < T * I; ++i) g[i] = swiglu(g[i], u[i]);
-  Vec y = linear_q(g, T, L.sw2, layer, "shared_w2", s.p0);
-  for (int64_t i = 0; i < T * D; ++i) out[i] += y[i];
+  // w2's QA8 sees the routing weight; probe sites "w2.<expert id>" and "shared_w2"
+  auto down = [&](const Vec& g, int64_t n, const QMatrix& W, int64_t expert, const int64_t* tok) {
+    const std::string site = expert < 0 ? "shared_w2" : "w2." + std::to_string(expert);
+    return linear_q(g, n, W, layer, site.c_str(), s.p0, tok);
+  };
+  fwd::experts(cfg_, fq, T, chosen, weight, {L.w1, L.w2, L.w3, L.sw1, L.sw2, L.sw3}, matmul, down, out);
 }
 
 // ---------------------------------------------------------------------------
@@ -628,64 +484,18 @@ void V4Cpu::moe(int layer, Step& s, const Vec& f, Vec& out) const {
 // §6.3.8: every site collapses with its own pre; the final fold uses hc_head).
 void V4Cpu::forward(KVState& st, const int32_t* ids, int64_t T, float* logits, bool all_rows,
                     ForwardDebug* dbg) const {
-  DSX_CHECK(T > 0, "forward: no tokens");
-  for (int64_t t = 0; t < T; ++t)
-    if (ids[t] < 0 || ids[t] >= cfg_.vocab_size)
-      fail("token id ", ids[t], " at position ", st.pos + t, " is outside the vocabulary (", cfg_.vocab_size, ")");
-  const int64_t D = cfg_.hidden, M = cfg_.hc_mult, NL = cfg_.n_layers;
   Step s;
-  s.T = T;
-  s.p0 = st.pos;
-  s.ids = ids;
-  s.dbg = dbg;
-  if (dbg) {
-    *dbg = ForwardDebug{};
-    dbg->router_experts.resize(static_cast<size_t>(NL));
-    dbg->sparse_topk.resize(static_cast<size_t>(NL));
-    dbg->attn_norm_out.resize(static_cast<size_t>(NL));
-    dbg->ffn_norm_out.resize(static_cast<size_t>(NL));
-  }
-  const int np = cfg_.rope_dim / 2;
-  for (auto* v : {&s.cos_main, &s.sin_main, &s.cos_comp, &s.sin_comp}) v->resize(static_cast<size_t>(T * np));
-  for (int64_t t = 0; t < T; ++t) {
-    main_rope_.angles(s.p0 + t, s.cos_main.data() + t * np, s.sin_main.data() + t * np);
-    compress_rope_.angles(s.p0 + t, s.cos_comp.data() + t * np, s.sin_comp.data() + t * np);
-  }
+  fwd::begin_step(s, cfg_, main_rope_, compress_rope_, st, ids, T, dbg);
+  const int64_t D = cfg_.hidden, M = cfg_.hc_mult, NL = cfg_.n_layers;
 
   // §3.1 embedding: every stream starts as the token's embedding
-  Vec X(static_cast<size_t>(T * M * D));
-  for (int64_t t = 0; t < T; ++t) {
-    w_.embed.dequant_rows(ids[t], ids[t] + 1, X.data() + t * M * D);
-    for (int64_t m = 1; m < M; ++m)
-      std::memcpy(X.data() + (t * M + m) * D, X.data() + t * M * D, static_cast<size_t>(D) * 4);
-  }
+  Vec X = fwd::embed_streams(w_.embed, ids, T, M, D);
 
-  // collapse: Σ_m pre_m · X_m (f32 products, summed exactly)
-  auto collapse = [&](const Vec& p) {
-    Vec y(static_cast<size_t>(T * D));
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t d = 0; d < D; ++d) {
-        double acc = 0;
-        for (int64_t m = 0; m < M; ++m) acc += p[t * M + m] * X[(t * M + m) * D + d];
-        y[t * D + d] = static_cast<float>(acc);
-      }
-    return y;
-  };
-  // expand: X'_k = post_k · y + Σ_j C[j][k] · X_j (the mix is a product, rounded once)
+  // collapse: Σ_m pre_m · X_m (f32 products, summed exactly); expand: X'_k = post_k · y +
+  // Σ_j C[j][k] · X_j (the mix is a product, rounded once)
+  auto collapse = [&](const Vec& p) { return fwd::hc_collapse(X, p, T, M, D, kArith); };
   auto expand = [&](const Vec& y, const Vec& post, const Vec& comb) {
-    Vec nx(X.size());
-    for (int64_t t = 0; t < T; ++t) {
-      const float* C = comb.data() + t * M * M;
-      for (int64_t k = 0; k < M; ++k) {
-        float* o = nx.data() + (t * M + k) * D;
-        for (int64_t d = 0; d < D; ++d) {
-          double mixed = 0;
-          for (int64_t j = 0; j < M; ++j) mixed += static_cast<double>(C[j * M + k]) * X[(t * M + j) * D + d];
-          o[d] = post[t * M + k] * y[t * D + d] + static_cast<float>(mixed);
-        }
-      }
-    }
-    X.swap(nx);
+    fwd::hc_expand(X, y, post, comb, T, M, D, kArith);
   };
 
   Vec pre, post, comb, y;
@@ -715,14 +525,7 @@ void V4Cpu::forward(KVState& st, const int32_t* ids, int64_t T, float* logits, b
       head_pre[t * M + m] = cpu::sigmoid(z[t * M + m] * w_.hc_head_scale[0] + w_.hc_head_base[m]) + cfg_.hc_eps;
   Vec h = collapse(head_pre);
   rmsnorm_rows(h, D, w_.norm.data(), cfg_.rms_eps);
-  if (dbg) dbg->final_norm_out = h;
-  if (all_rows) {
-    matmul(h.data(), T, w_.head, logits);
-  } else {
-    matmul(h.data() + (T - 1) * D, 1, w_.head, logits);
-  }
-  st.tokens.insert(st.tokens.end(), ids, ids + T);
-  st.pos += T;
+  fwd::end_step(st, ids, T, h, D, w_.head, all_rows, logits, dbg, matmul);
 }
 
 }  // namespace dsx

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "model/weight_binder.h"
 #include "util/error.h"
 #include "util/mmap_file.h"
 #include "util/numerics.h"
@@ -115,118 +116,9 @@ void EngramTable::gather_row(int64_t r, float* out) const {
   for (int j = 0; j < dim; ++j) out[j] = e4m3_to_f32(w[j]) * e8m0_to_f32(s[j / block]);
 }
 
-namespace {
-
-class Binder {
- public:
-  Binder(const ModelConfig& c, const ModelFiles& f) : c_(c), f_(f) {}
-
-  const TensorView& tensor(const std::string& name, const std::vector<int64_t>& shape,
-                           std::initializer_list<DType> dtypes) {
-    const TensorView* t = f_.find(name);
-    std::string want;
-    for (DType d : dtypes) want += std::string(want.empty() ? "" : "/") + dtype_name(d);
-    if (!t) fail(f_.dir(), ": tensor '", name, "' is missing (config expects ", want, " ", shape_to_string(shape), ")");
-    if (std::find(dtypes.begin(), dtypes.end(), t->dtype) == dtypes.end())
-      fail(t->file, ": tensor '", name, "' has dtype ", dtype_name(t->dtype), ", expected ", want);
-    if (t->shape != shape)
-      fail(t->file, ": tensor '", name, "' has shape ", t->shape_str(), ", config expects ", shape_to_string(shape));
-    used_.insert(name);
-    return *t;
-  }
-  bool has(const std::string& name) const { return f_.find(name) != nullptr; }
-
-  std::vector<float> vec(const std::string& name, int64_t n) {
-    const TensorView& t = tensor(name, {n}, {DType::BF16, DType::F32});
-    return widen(t);
-  }
-  std::vector<float> f32(const std::string& name, std::vector<int64_t> shape) {
-    const TensorView& t = tensor(name, shape, {DType::F32, DType::BF16});
-    return widen(t);
-  }
-  QMatrix dense(const std::string& name, int64_t n, int64_t k) {
-    const TensorView& t = tensor(name, {n, k}, {DType::BF16, DType::F32});
-    QMatrix m;
-    m.fmt = t.dtype == DType::BF16 ? WFormat::BF16 : WFormat::F32;
-    m.rows = n;
-    m.cols = k;
-    m.data = t.data;
-    m.name = name;
-    return m;
-  }
-  QMatrix fp8(const std::string& base, int64_t n, int64_t k) {
-    const int64_t b = c_.quant_block;
-    const TensorView& w = tensor(base + ".weight", {n, k}, {DType::F8_E4M3});
-    const TensorView& s = tensor(base + ".scale", {(n + b - 1) / b, (k + b - 1) / b}, {DType::F8_E8M0});
-    QMatrix m;
-    m.fmt = WFormat::FP8_BLOCK;
-    m.rows = n;
-    m.cols = k;
-    m.block = static_cast<int>(b);
-    m.data = w.data;
-    m.scale = s.data;
-    m.name = base;
-    return m;
-  }
-  QMatrix mxfp4(const std::string& base, int64_t n, int64_t k) {
-    if (k % 32) fail(f_.dir(), ": ", base, ": input width ", k, " is not a multiple of 32 (MXFP4)");
-    const TensorView& w = tensor(base + ".weight", {n, k / 2}, {DType::I8, DType::U8});
-    const TensorView& s = tensor(base + ".scale", {n, k / 32}, {DType::F8_E8M0});
-    QMatrix m;
-    m.fmt = WFormat::MXFP4;
-    m.rows = n;
-    m.cols = k;
-    m.block = 32;
-    m.data = w.data;
-    m.scale = s.data;
-    m.name = base;
-    return m;
-  }
-
-  void check_unused() const {
-    for (const auto& name : f_.names()) {
-      if (used_.count(name)) continue;
-      if (ignorable(name)) continue;
-      const TensorView* t = f_.find(name);
-      fail(t->file, ": unexpected tensor '", name, "' (not part of a ", c_.model_type, " model with this config)");
-    }
-  }
-
- private:
-  bool ignorable(const std::string& n) const {
-    auto starts = [&](const char* p) { return n.rfind(p, 0) == 0; };
-    if (starts("vision.") || starts("aligner.") || n == "image_start" || n == "image_end" || n == "image_newline")
-      return true;
-    if (starts("mtp.")) {
-      // draft stages declared by the config (DSpark / MTP) are not used by the backbone
-      size_t dot = n.find('.', 4);
-      if (dot == std::string::npos) return false;
-      int stage = std::atoi(n.substr(4, dot - 4).c_str());
-      return stage >= 0 && stage < c_.n_nextn_layers;
-    }
-    return false;
-  }
-  static std::vector<float> widen(const TensorView& t) {
-    std::vector<float> v(static_cast<size_t>(t.numel()));
-    if (t.dtype == DType::F32) {
-      std::memcpy(v.data(), t.data, v.size() * 4);
-    } else {
-      const auto* p = t.as<uint16_t>();
-      for (size_t i = 0; i < v.size(); ++i) v[i] = bf16_to_f32(p[i]);
-    }
-    return v;
-  }
-
-  const ModelConfig& c_;
-  const ModelFiles& f_;
-  std::set<std::string> used_;
-};
-
-}  // namespace
-
 ModelWeights bind_weights(const ModelConfig& c, std::shared_ptr<ModelFiles> files) {
   if (c.family != Family::V41) fail(files->dir(), ": model_type '", c.model_type, "' is not supported yet by the forward pass");
-  Binder b(c, *files);
+  WeightBinder b(c, *files, /*skip_vision=*/true);  // V4.1 checkpoints may carry the vision modules
   ModelWeights w;
   w.files = files;
   const int64_t D = c.hidden, V = c.vocab_size, M = c.hc_mult, mix = c.hc_mix_dim();
@@ -278,18 +170,7 @@ ModelWeights bind_weights(const ModelConfig& c, std::shared_ptr<ModelFiles> file
     L.gate = b.dense(p + "ffn.gate.weight", E, D);
     L.gate_bias = b.f32(p + "ffn.gate.bias", {E});
     if (b.has(p + "ffn.gate.bias_vl")) b.f32(p + "ffn.gate.bias_vl", {E});  // image tokens only
-    L.w1.resize(static_cast<size_t>(E));
-    L.w2.resize(static_cast<size_t>(E));
-    L.w3.resize(static_cast<size_t>(E));
-    for (int64_t e = 0; e < E; ++e) {
-      const std::string q = p + "ffn.experts." + std::to_string(e) + ".";
-      L.w1[static_cast<size_t>(e)] = b.mxfp4(q + "w1", I, D);
-      L.w3[static_cast<size_t>(e)] = b.mxfp4(q + "w3", I, D);
-      L.w2[static_cast<size_t>(e)] = b.mxfp4(q + "w2", D, I);
-    }
-    L.sw1 = b.fp8(p + "ffn.shared_experts.w1", I, D);
-    L.sw3 = b.fp8(p + "ffn.shared_experts.w3", I, D);
-    L.sw2 = b.fp8(p + "ffn.shared_experts.w2", D, I);
+    b.experts(L, p, E, I, D);
     const int ei = c.engram_index(l);
     if (ei >= 0) {
       L.has_engram = true;

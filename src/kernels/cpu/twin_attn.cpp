@@ -7,6 +7,7 @@
 #include "kernels/cpu/linear.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/quant.h"
+#include "model/cpu_common.h"
 #include "util/numerics.h"
 
 namespace dsx::cpu::twin {
@@ -78,35 +79,8 @@ void hc_mix(const float* X, int T, int64_t D, const float* fn, const float* base
       post[t * M + m] = 2.0f * cpu::sigmoid(std::fma(zt[M + m], scale[1], base[M + m]));
     }
     float* C = comb + t * M * M;
-    for (int j = 0; j < M; ++j) {
-      float mx = kNegInf;
-      for (int k = 0; k < M; ++k) {
-        C[j * M + k] = std::fma(zt[2 * M + j * M + k], scale[2], base[2 * M + j * M + k]);
-        mx = std::max(mx, C[j * M + k]);
-      }
-      float sum = 0;
-      for (int k = 0; k < M; ++k) sum += (C[j * M + k] = std::exp(C[j * M + k] - mx));
-      for (int k = 0; k < M; ++k) C[j * M + k] = C[j * M + k] / sum + hc_eps;
-    }
-    auto col_norm = [&] {
-      for (int k = 0; k < M; ++k) {
-        float s = 0;
-        for (int j = 0; j < M; ++j) s += C[j * M + k];
-        for (int j = 0; j < M; ++j) C[j * M + k] /= (s + hc_eps);
-      }
-    };
-    auto row_norm = [&] {
-      for (int j = 0; j < M; ++j) {
-        float s = 0;
-        for (int k = 0; k < M; ++k) s += C[j * M + k];
-        for (int k = 0; k < M; ++k) C[j * M + k] /= (s + hc_eps);
-      }
-    };
-    col_norm();
-    for (int it = 1; it < iters; ++it) {
-      row_norm();
-      col_norm();
-    }
+    for (int i = 0; i < M * M; ++i) C[i] = std::fma(zt[2 * M + i], scale[2], base[2 * M + i]);
+    fwd::sinkhorn(C, M, hc_eps, iters);  // V41Cpu's own (no multiply-adds)
   }
 }
 
@@ -258,18 +232,7 @@ std::vector<float> block_scores(const std::vector<float>& scores, int bs) {
   return b;
 }
 
-std::vector<int32_t> topk_finite(const float* s, int64_t n, int64_t k) {
-  std::vector<int32_t> idx;
-  for (int64_t j = 0; j < n; ++j)
-    if (s[j] > kNegInf) idx.push_back(static_cast<int32_t>(j));
-  auto better = [&](int32_t a, int32_t b) { return s[a] > s[b] || (s[a] == s[b] && a < b); };
-  if (static_cast<int64_t>(idx.size()) > k) {
-    std::nth_element(idx.begin(), idx.begin() + k, idx.end(), better);
-    idx.resize(static_cast<size_t>(k));
-  }
-  std::sort(idx.begin(), idx.end());
-  return idx;
-}
+std::vector<int32_t> topk_finite(const float* s, int64_t n, int64_t k) { return fwd::topk_finite(s, n, k); }
 
 // ---------------------------------------------------------------------------------------
 void attention(bool bf16, int T, int H, int hd, int W, int64_t p0, const float* q, const RowAt& window_row,
