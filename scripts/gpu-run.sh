@@ -26,7 +26,7 @@ grep -E '^\[  FAILED  \]' "$out/gpu_tests.log" | head -40 | tee -a "$summary"
 
 if [ -x "$build/bench_cuda_kernels" ]; then
   log "## kernel micro-benchmark"
-  "$build/bench_cuda_kernels" --csv "$out/kernels.csv" >"$out/kernels.log" 2>&1
+  "$build/bench_cuda_kernels" ${DSX_KERNEL_BENCH_ARGS:-} --csv "$out/kernels.csv" >"$out/kernels.log" 2>&1
   log "exit $?"
   tail -n 60 "$out/kernels.log" >>"$summary"
 fi
