@@ -492,6 +492,12 @@ class CudaSession : public Session {
   // decode graph
   cudaGraphExec_t graph_ = nullptr;
   int decode_steps_ = 0;
+  // DSX_GRAPH_TIMING=1: device time of the replayed decode graph vs the wall time
+  // of the whole step (host work included), printed when the session ends.
+  bool graph_timing_ = std::getenv("DSX_GRAPH_TIMING") != nullptr;
+  cudaEvent_t gt0_ = nullptr, gt1_ = nullptr;
+  double graph_ms_ = 0, step_wall_ms_ = 0;
+  int graph_runs_ = 0;
   StageTimer prof_;
 };
 
@@ -622,6 +628,11 @@ CudaSession::CudaSession(const DeviceModel& m, const EngineOptions& o)
 }
 
 CudaSession::~CudaSession() {
+  if (graph_timing_ && graph_runs_ > 0)
+    std::fprintf(stderr, "# DSX_GRAPH_TIMING: %d decode steps, graph %.3f ms/step on the device, %.3f ms/step wall (feed)\n",
+                 graph_runs_, graph_ms_ / graph_runs_, step_wall_ms_ / graph_runs_);
+  if (gt0_) cudaEventDestroy(gt0_);
+  if (gt1_) cudaEventDestroy(gt1_);
   if (graph_) cudaGraphExecDestroy(graph_);
   for (auto& sd : side_)
     if (sd) cudaStreamDestroy(sd);
@@ -953,7 +964,13 @@ void CudaSession::step(const int32_t* ids, int T, bool all_rows) {
       DSX_CUDA_CHECK(cudaGraphDestroy(g));
     }
     if (graph_) {
+      if (graph_timing_ && !gt0_) {
+        DSX_CUDA_CHECK(cudaEventCreate(&gt0_));
+        DSX_CUDA_CHECK(cudaEventCreate(&gt1_));
+      }
+      if (graph_timing_) DSX_CUDA_CHECK(cudaEventRecord(gt0_, stream_));
       DSX_CUDA_CHECK(cudaGraphLaunch(graph_, stream_));
+      if (graph_timing_) DSX_CUDA_CHECK(cudaEventRecord(gt1_, stream_));
     } else {
       forward(1, false);
     }
@@ -967,6 +984,8 @@ void CudaSession::step(const int32_t* ids, int T, bool all_rows) {
 
 void CudaSession::feed(const int32_t* ids, int64_t n, float* logits, bool all_rows) {
   DSX_CHECK(n > 0, "feed: no tokens");
+  const auto wall0 = std::chrono::steady_clock::now();
+  const bool timed = graph_timing_ && graph_ && n == 1 && !all_rows;
   const int64_t V = c_.vocab_size;
   for (int64_t p = 0; p < n; p += tmax_) {
     const int T = static_cast<int>(std::min<int64_t>(tmax_, n - p));
@@ -981,6 +1000,13 @@ void CudaSession::feed(const int32_t* ids, int64_t n, float* logits, bool all_ro
     }
   }
   DSX_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (timed) {
+    float ms = 0;
+    DSX_CUDA_CHECK(cudaEventElapsedTime(&ms, gt0_, gt1_));
+    graph_ms_ += ms;
+    step_wall_ms_ += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - wall0).count();
+    ++graph_runs_;
+  }
 }
 
 std::vector<uint8_t> CudaSession::save() const {

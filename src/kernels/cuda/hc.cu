@@ -122,47 +122,46 @@ __global__ void hc_finish_kernel(int ns, int64_t D, const float* __restrict__ wz
       z[threadIdx.x] = s;
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
+    // Warp 0: lane (j, k) = j * kM + k owns comb[j][k]; every sum is formed in the
+    // same sequential order as the CPU engine (values gathered by shuffles), so the
+    // result is bit-identical to the single-thread form, without its ~1.3k serially
+    // dependent divisions.
+    if (threadIdx.x < 32) {
+      const int lane = threadIdx.x;
       double ss = 0.0;
       for (int i = 0; i < ns; ++i) ss += wss[(static_cast<int64_t>(t) * ns + i) * 2];
       const float nu = 1.0f / sqrtf(static_cast<float>(ss / static_cast<double>(kM * D)) + eps);
-      float zz[kHcMix];
-      for (int o = 0; o < kHcMix; ++o) zz[o] = z[o] * nu;
-      for (int m = 0; m < kM; ++m) {
-        pre_out[t * kM + m] = sigmoid_dev(fmaf(zz[m], scale[0], base[m])) + hc_eps;
-        post_out[t * kM + m] = 2.0f * sigmoid_dev(fmaf(zz[kM + m], scale[1], base[kM + m]));
+      if (lane < kM) {
+        pre_out[t * kM + lane] = sigmoid_dev(fmaf(z[lane] * nu, scale[0], base[lane])) + hc_eps;
+        post_out[t * kM + lane] = 2.0f * sigmoid_dev(fmaf(z[kM + lane] * nu, scale[1], base[kM + lane]));
       }
-      float C[kM * kM];
-      for (int j = 0; j < kM; ++j) {
-        float mx = -INFINITY;
-        for (int k = 0; k < kM; ++k) {
-          C[j * kM + k] = fmaf(zz[2 * kM + j * kM + k], scale[2], base[2 * kM + j * kM + k]);
-          mx = fmaxf(mx, C[j * kM + k]);
-        }
-        float sum = 0.0f;
-        for (int k = 0; k < kM; ++k) sum += (C[j * kM + k] = expf(C[j * kM + k] - mx));
-        for (int k = 0; k < kM; ++k) C[j * kM + k] = C[j * kM + k] / sum + hc_eps;
-      }
-      auto col_norm = [&] {
-        for (int k = 0; k < kM; ++k) {
-          float s = 0.0f;
-          for (int j = 0; j < kM; ++j) s += C[j * kM + k];
-          for (int j = 0; j < kM; ++j) C[j * kM + k] /= (s + hc_eps);
-        }
+      const int e = lane < kM * kM ? lane : 0;  // lanes >= 16 mirror element 0 (results unused)
+      const int j = e / kM, k = e % kM;
+      float c = fmaf(z[2 * kM + e] * nu, scale[2], base[2 * kM + e]);
+      constexpr unsigned kAll = 0xffffffffu;
+      auto row_sum = [&](float v) {  // sum over k of C[j][k], k ascending
+        float r = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < kM; ++kk) r += __shfl_sync(kAll, v, j * kM + kk);
+        return r;
       };
-      auto row_norm = [&] {
-        for (int j = 0; j < kM; ++j) {
-          float s = 0.0f;
-          for (int k = 0; k < kM; ++k) s += C[j * kM + k];
-          for (int k = 0; k < kM; ++k) C[j * kM + k] /= (s + hc_eps);
-        }
+      auto col_sum = [&](float v) {  // sum over j of C[j][k], j ascending
+        float r = 0.0f;
+#pragma unroll
+        for (int jj = 0; jj < kM; ++jj) r += __shfl_sync(kAll, v, jj * kM + k);
+        return r;
       };
-      col_norm();
+      float mx = -INFINITY;
+#pragma unroll
+      for (int kk = 0; kk < kM; ++kk) mx = fmaxf(mx, __shfl_sync(kAll, c, j * kM + kk));
+      c = expf(c - mx);
+      c = c / row_sum(c) + hc_eps;
+      c /= (col_sum(c) + hc_eps);
       for (int it = 1; it < iters; ++it) {
-        row_norm();
-        col_norm();
+        c /= (row_sum(c) + hc_eps);
+        c /= (col_sum(c) + hc_eps);
       }
-      for (int i = 0; i < kM * kM; ++i) comb_out[t * kM * kM + i] = C[i];
+      if (lane < kM * kM) comb_out[t * kM * kM + lane] = c;
     }
   }
   if (out) {
