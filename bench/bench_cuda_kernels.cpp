@@ -1,6 +1,7 @@
 // Micro-benchmark of the weight-streaming CUDA kernels (src/kernels/cuda).
 //
-//   bench_cuda_kernels [--csv FILE] [--reps N] [--quick] [--decode-only]
+//   bench_cuda_kernels [--csv FILE] [--reps N] [--quick] [--decode-only] [--chain-only]
+//                      [--no-graph] [--only SUBSTR] [--tokens T]
 //
 // Every measurement: warm-up, then N (default 30) timed repetitions, each bracketed by
 // CUDA events; the median is reported ("eager": one launch from the host per
@@ -49,6 +50,12 @@ cudaStream_t g_stream = nullptr;
 constexpr int kGraphN = 20;
 double g_last_graph_us = 0;  // graph time of the last time_us call (0: not measured)
 bool g_graph = true;
+std::string g_only;        // --only: run only rows whose "name shape" contains this
+int g_only_T = 0;          // --tokens: run only this T (0: all)
+bool selected(const std::string& name, const std::string& shape, int T) {
+  if (g_only_T > 0 && T != g_only_T) return false;
+  return g_only.empty() || (name + " " + shape).find(g_only) != std::string::npos;
+}
 
 // Fills a device buffer with pseudo-random bytes (a 16 MB random block replicated).
 void fill_random(void* dst, size_t bytes, uint64_t seed) {
@@ -222,6 +229,7 @@ void bench_gemv(const std::string& name, WFormat f, int64_t N, int64_t K, std::i
   fill_byte(x.get(), x.size(), 0x3c);  // 0x3c3c3c3c: ~0.0115 (f32) / 0.0115 (bf16 pairs)
   DeviceBuffer ws;
   for (int T : Ts) {
+    if (!selected(name, shp(N, K), T)) continue;
     cuda::GemvOpts oo = o;
     if (split) {
       const size_t b = cuda::gemv_split_ws_bytes(W.at(0), T, oo);
@@ -240,6 +248,7 @@ void bench_gemv(const std::string& name, WFormat f, int64_t N, int64_t K, std::i
 
 void bench_router() {
   const int64_t E = 384, D = 5120;
+  if (!selected("router (gemv+top6)", shp(E, D), 1)) return;
   Copies W(WFormat::BF16, E, D);
   DeviceBuffer x(static_cast<size_t>(D) * 2), bias(static_cast<size_t>(E) * 4), z(static_cast<size_t>(E) * 16 * 4),
       ids(64 * 4), w(64 * 4);
@@ -258,6 +267,7 @@ void bench_router() {
 void bench_moe_decode(bool quick) {
   const int E = quick ? 64 : 384, topk = 6;
   const int64_t D = 5120, I = 2304;
+  if (!selected("moe_decode (6 + shared)", "", g_only_T > 0 ? g_only_T : 1)) return;
   const int64_t b13 = I * D / 2, s13 = I * D / 32, b2 = D * I / 2, s2 = D * I / 32;
   const int64_t per_expert = b13 + s13 + b13 + s13 + b2 + s2;
   DeviceBuffer experts(static_cast<size_t>(per_expert * E));
@@ -301,6 +311,7 @@ void bench_moe_decode(bool quick) {
   DeviceBuffer x(static_cast<size_t>(D) * 2 * 8), y(static_cast<size_t>(D) * 4 * 8);
   fill_byte(x.get(), x.size(), 0x3c);
   for (int T : {1, 2, 4}) {
+    if (g_only_T > 0 && T != g_only_T) continue;
     cuda::MoeLayer L;
     L.n_experts = E;
     L.hidden = D;
@@ -527,8 +538,12 @@ int main(int argc, char** argv) {
       chain_only = true;
     else if (a == "--no-graph")
       g_graph = false;
+    else if (a == "--only" && i + 1 < argc)
+      g_only = argv[++i];
+    else if (a == "--tokens" && i + 1 < argc)
+      g_only_T = std::atoi(argv[++i]);
     else {
-      std::fprintf(stderr, "usage: %s [--csv FILE] [--reps N] [--quick] [--decode-only] [--chain-only] [--no-graph]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--csv FILE] [--reps N] [--quick] [--decode-only] [--chain-only] [--no-graph] [--only SUBSTR] [--tokens T]\n", argv[0]);
       return 2;
     }
   }
@@ -582,7 +597,7 @@ int main(int argc, char** argv) {
     bench_router();
     bench_moe_decode(quick);
 
-    bench_decode_chain();
+    if (g_only.empty()) bench_decode_chain();
     if (decode_only) {
       if (!csv.empty()) write_csv(csv);
       return 0;

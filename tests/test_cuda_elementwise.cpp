@@ -464,6 +464,42 @@ TEST(CudaHc, PassAndFinish) {
         cpu::qa8_codes(ng.data(), static_cast<int64_t>(ng.size()), 32, codes.data(), qs.data());
         EXPECT_EQ(download_vec<uint8_t>(dqc, codes.size()), codes) << "hc norm QA8";
 
+        // the split passes of the engine (Engram layers, final fold): expand only, then
+        // collapse only + norm only, in place, without QA8
+        {
+          DeviceBuffer dX2 = upload_act(X, act), dcol2(static_cast<size_t>(T * D) * cuda::act_bytes(act)),
+                       dwork2(cuda::hc_work_bytes(T, D));
+          cuda::HcPassArgs e;
+          e.T = T;
+          e.D = D;
+          e.X = dX2.get();
+          e.y = dy.get();
+          e.post = dpost.as<float>();
+          e.comb = dcomb.as<float>();
+          e.work = dwork2.get();
+          cuda::hc_pass(act, e, nullptr);
+          cuda::HcPassArgs c;
+          c.T = T;
+          c.D = D;
+          c.X = dX2.get();
+          c.pre = dpre.as<float>();
+          c.collapsed = dcol2.get();
+          c.work = dwork2.get();
+          cuda::hc_pass(act, c, nullptr);
+          cuda::HcFinishArgs f;
+          f.T = T;
+          f.D = D;
+          f.work = dwork2.get();
+          f.norm_eps = 1e-20f;
+          f.collapsed = dcol2.get();
+          f.norm_w = dnw.as<float>();
+          f.norm_out = dcol2.get();
+          cuda::hc_finish(act, f, nullptr);
+          EXPECT_LE(count_far(download_act(dX2, Xw.size(), act), Xw, 0.0, ulp, "hc expand only"), 0u);
+          EXPECT_LE(count_far(download_act(dcol2, norm_w.size(), act), norm_w, 1e-6, bf ? 1.0 / 64 : 1e-5, "hc norm only"),
+                    0u);
+        }
+
         // stream mean
         DeviceBuffer dmean(static_cast<size_t>(T * D) * cuda::act_bytes(act));
         cuda::hc_stream_mean(act, T, D, dX.get(), dmean.get(), nullptr);

@@ -64,7 +64,7 @@ int cmd_bench(int argc, char** argv) {
   const int64_t ndec = a.get_int("--decode-tokens", 16);
   std::unique_ptr<Engine> eng;
   const bool synthetic = a.has("--synthetic");
-  const int layers = static_cast<int>(a.get_int("--layers", 4));
+  [[maybe_unused]] const int layers = static_cast<int>(a.get_int("--layers", 4));
 #ifdef DSX_HAVE_CUDA
   if (synthetic) {
     if (a.require("--synthetic") != "v41-flash") fail("--synthetic: only v41-flash is known");
@@ -75,8 +75,8 @@ int cmd_bench(int argc, char** argv) {
   if (synthetic) fail("--synthetic needs the CUDA backend (this build has none)");
 #endif
   if (!eng) eng = load_engine(a.require("-m"), o);
-  double copy_bw = 0, bytes40_per_layer_ratio = 0;
-  int64_t weight_bytes_step = 0;
+  [[maybe_unused]] double copy_bw = 0, bytes40_per_layer_ratio = 0;
+  [[maybe_unused]] int64_t weight_bytes_step = 0;
 #ifdef DSX_HAVE_CUDA
   if (o.backend == "cuda") {
     auto st = cuda_engine_stats(*eng);
@@ -120,7 +120,16 @@ int cmd_bench(int argc, char** argv) {
     r.prefill_tok_s = (f - from) / std::max(t1 - t0, 1e-9);
     // decode ndec tokens, then roll back so the next interval starts at f
     auto snap = s->save();
-    int32_t next = argmax(logits.data(), V);
+    const int32_t first = argmax(logits.data(), V);
+    int32_t next = first;
+    // warm-up: the first decode steps of a session build its decode graph; time the
+    // steady state (the same tokens are decoded again after the rollback)
+    for (int i = 0; i < 3 && i < ndec; ++i) {
+      s->feed(&next, 1, logits.data(), false);
+      next = argmax(logits.data(), V);
+    }
+    s->restore(snap);
+    next = first;
     double d0 = now_s();
     for (int64_t i = 0; i < ndec; ++i) {
       s->feed(&next, 1, logits.data(), false);

@@ -40,7 +40,24 @@ using namespace dsx::cuda;
 
 namespace {
 
-constexpr int kGemvMaxT = 16;  // up to this many rows use the weight-streaming GEMV
+constexpr int kGemvMaxT = 16;
+
+// DSX_HC_BRANCH=0 keeps the hc_mix coefficients on the session stream
+bool hc_off_branch() {
+  static const bool v = [] {
+    const char* e = std::getenv("DSX_HC_BRANCH");
+    return e && *e && std::atoi(e) == 0;
+  }();
+  return v;
+}
+
+bool attn_mma_enabled() {
+  static const bool v = [] {
+    const char* e = std::getenv("DSX_ATTN_MMA");
+    return !(e && *e && std::atoi(e) == 0);
+  }();
+  return v;
+}  // up to this many rows use the weight-streaming GEMV
 
 // ---------------------------------------------------------------------------
 // Device arena: one allocation holding many tensors (256-byte aligned).
@@ -489,6 +506,13 @@ class CudaSession : public Session {
   cudaStream_t side_[2] = {nullptr, nullptr};
   float* side_ws_[2] = {nullptr, nullptr};
   cudaEvent_t ev_fork_ = nullptr, ev_join_[2] = {nullptr, nullptr};
+  // decode: the hc_mix coefficients of a site (needed only by the next site's pass) are
+  // computed on a side stream while the main stream normalises and goes on
+  cudaStream_t side_hc_ = nullptr;
+  cudaEvent_t ev_hc_fork_ = nullptr, ev_hc_join_ = nullptr;
+  bool hc_pending_ = false;
+  void hc_site_finish(const HcFinishArgs& fz, bool branch);
+  void hc_site_pass(const HcPassArgs& p);
   // decode graph
   cudaGraphExec_t graph_ = nullptr;
   int decode_steps_ = 0;
@@ -507,6 +531,9 @@ CudaSession::CudaSession(const DeviceModel& m, const EngineOptions& o)
   for (auto& sd : side_) DSX_CUDA_CHECK(cudaStreamCreateWithFlags(&sd, cudaStreamNonBlocking));
   DSX_CUDA_CHECK(cudaEventCreateWithFlags(&ev_fork_, cudaEventDisableTiming));
   for (auto& e : ev_join_) DSX_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  DSX_CUDA_CHECK(cudaStreamCreateWithFlags(&side_hc_, cudaStreamNonBlocking));
+  DSX_CUDA_CHECK(cudaEventCreateWithFlags(&ev_hc_fork_, cudaEventDisableTiming));
+  DSX_CUDA_CHECK(cudaEventCreateWithFlags(&ev_hc_join_, cudaEventDisableTiming));
   max_ctx_ = o.max_context > 0 ? o.max_context : 8192;
   tmax_ = 256;
   const int64_t D = c_.hidden, M = c_.hc_mult, H = c_.n_heads, hd = c_.head_dim, ql = c_.q_lora_rank;
@@ -637,6 +664,9 @@ CudaSession::~CudaSession() {
   for (auto& sd : side_)
     if (sd) cudaStreamDestroy(sd);
   if (ev_fork_) cudaEventDestroy(ev_fork_);
+  if (ev_hc_fork_) cudaEventDestroy(ev_hc_fork_);
+  if (ev_hc_join_) cudaEventDestroy(ev_hc_join_);
+  if (side_hc_) cudaStreamDestroy(side_hc_);
   for (auto& e : ev_join_)
     if (e) cudaEventDestroy(e);
   if (stream_) cudaStreamDestroy(stream_);
@@ -700,6 +730,34 @@ void CudaSession::stage_engram(const int32_t* ids, int T) {
   // for this one (feed synchronises at its end)
 }
 
+// Site transition, second half: the RMSNorm of the collapsed row on the session stream
+// and, in decode, the hc_mix coefficients (Sinkhorn) on side_hc_, joined before the
+// next pass (hc_site_pass), the first reader of pre / post / comb.
+void CudaSession::hc_site_finish(const HcFinishArgs& fz, bool branch) {
+  if (!branch || !fz.have_mix || !fz.norm_out) {
+    hc_finish(act_, fz, stream_);
+    return;
+  }
+  DSX_CUDA_CHECK(cudaEventRecord(ev_hc_fork_, stream_));
+  DSX_CUDA_CHECK(cudaStreamWaitEvent(side_hc_, ev_hc_fork_, 0));
+  HcFinishArgs mix = fz;
+  mix.collapsed = nullptr, mix.norm_w = nullptr, mix.norm_out = nullptr, mix.q_codes = nullptr, mix.q_scales = nullptr;
+  hc_finish(act_, mix, side_hc_);
+  DSX_CUDA_CHECK(cudaEventRecord(ev_hc_join_, side_hc_));
+  hc_pending_ = true;
+  HcFinishArgs norm = fz;
+  norm.have_mix = false;
+  hc_finish(act_, norm, stream_);
+}
+
+void CudaSession::hc_site_pass(const HcPassArgs& p) {
+  if (hc_pending_) {
+    DSX_CUDA_CHECK(cudaStreamWaitEvent(stream_, ev_hc_join_, 0));
+    hc_pending_ = false;
+  }
+  hc_pass(act_, p, stream_);
+}
+
 void CudaSession::forward(int T, bool all_rows) {
   const int64_t D = c_.hidden, M = c_.hc_mult, V = c_.vocab_size;
   prof_.set_active(T == 1);
@@ -708,6 +766,7 @@ void CudaSession::forward(int T, bool all_rows) {
   onehot_pre(pre0_, T, static_cast<int>(M), stream_);
   prof_.mark("embed", stream_);
   const float* pre = pre0_;
+  const bool hc_branch = T <= kGemvMaxT && !prof_.on() && !hc_off_branch();
   // the pending expansion of the previous sublayer (spec §3.3.2)
   const void* pend_y = nullptr;
   const float *pend_post = nullptr, *pend_comb = nullptr;
@@ -718,7 +777,7 @@ void CudaSession::forward(int T, bool all_rows) {
       if (pend_y) {
         HcPassArgs e;
         e.T = T, e.D = D, e.X = X_, e.y = pend_y, e.post = pend_post, e.comb = pend_comb, e.work = hc_work_;
-        hc_pass(act_, e, stream_);
+        hc_site_pass(e);
         pend_y = nullptr;
       }
       const int li = c_.engram_index(l), nc = m_.engram.n_cols;
@@ -741,13 +800,13 @@ void CudaSession::forward(int T, bool all_rows) {
       p.T = T, p.D = D, p.X = X_, p.y = pend_y, p.post = pend_post, p.comb = pend_comb;
       p.fn = reinterpret_cast<const float*>(L.hc_attn_fn.data);
       p.pre = pre, p.collapsed = a_, p.work = hc_work_;
-      hc_pass(act_, p, stream_);
+      hc_site_pass(p);
       HcFinishArgs fz;
       fz.T = T, fz.D = D, fz.work = hc_work_, fz.have_mix = true, fz.base = L.hc_attn_base, fz.scale = L.hc_attn_scale;
       fz.norm_eps = c_.rms_eps, fz.hc_eps = c_.hc_eps, fz.sinkhorn_iters = c_.hc_sinkhorn_iters;
       fz.pre = pa_, fz.post = qa_, fz.comb = Ca_;
       fz.collapsed = a_, fz.norm_w = L.attn_norm, fz.norm_out = a_;
-      hc_finish(act_, fz, stream_);
+      hc_site_finish(fz, hc_branch);
       prof_.mark("hc", stream_);
     }
     attention(l, T);  // writes y_
@@ -756,13 +815,13 @@ void CudaSession::forward(int T, bool all_rows) {
       p.T = T, p.D = D, p.X = X_, p.y = y_, p.post = qa_, p.comb = Ca_;
       p.fn = reinterpret_cast<const float*>(L.hc_ffn_fn.data);
       p.pre = pa_, p.collapsed = f_, p.work = hc_work_;
-      hc_pass(act_, p, stream_);
+      hc_site_pass(p);
       HcFinishArgs fz;
       fz.T = T, fz.D = D, fz.work = hc_work_, fz.have_mix = true, fz.base = L.hc_ffn_base, fz.scale = L.hc_ffn_scale;
       fz.norm_eps = c_.rms_eps, fz.hc_eps = c_.hc_eps, fz.sinkhorn_iters = c_.hc_sinkhorn_iters;
       fz.pre = pf_, fz.post = qf_, fz.comb = Cf_;
       fz.collapsed = f_, fz.norm_w = L.ffn_norm, fz.norm_out = f_;
-      hc_finish(act_, fz, stream_);
+      hc_site_finish(fz, hc_branch);
       prof_.mark("hc", stream_);
     }
     moe(l, T);  // writes y_
@@ -774,7 +833,7 @@ void CudaSession::forward(int T, bool all_rows) {
     HcPassArgs p;
     p.T = T, p.D = D, p.X = X_, p.y = pend_y, p.post = pend_post, p.comb = pend_comb;
     p.pre = pre, p.collapsed = h_, p.work = hc_work_;
-    hc_pass(act_, p, stream_);
+    hc_site_pass(p);
     HcFinishArgs fz;
     fz.T = T, fz.D = D, fz.work = hc_work_, fz.norm_eps = c_.rms_eps;
     fz.collapsed = h_, fz.norm_w = m_.norm, fz.norm_out = h_;
@@ -901,6 +960,9 @@ void CudaSession::attention(int l, int T) {
   aa.sink = L.attn_sink;
   aa.scale = static_cast<float>(std::pow(static_cast<double>(hd), -0.5));
   aa.n_pairs = np, aa.inv_freq = inv_freq;
+  // BF16 mode: the tensor-core attention (same numerics up to f32 summation order);
+  // DSX_ATTN_MMA=0 keeps the CUDA-core kernel
+  aa.tensor_cores = act_ == Act::BF16 && attn_mma_enabled();
   aa.out = o_, aa.d_pos = cache_.d_pos();
   if (T == 1) {
     aa.n_splits = attn_splits_;

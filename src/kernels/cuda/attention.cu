@@ -487,14 +487,18 @@ __global__ void __launch_bounds__(HD) attn_combine_kernel(int H, int S, const fl
   const float sink = sink_arr[h];
   const float* w0 = work + (static_cast<int64_t>(t) * S * H + h) * (HD + 2);
   const int64_t sstride = static_cast<int64_t>(H) * (HD + 2);
+  // loops unrolled so that the loads of several splits are in flight together (the
+  // split results come from L2; the arithmetic order is unchanged)
   float M = sink;
-  for (int s = 0; s < S; ++s) M = fmaxf(M, w0[s * sstride]);
+#pragma unroll 8
+  for (int s = 0; s < S; ++s) M = fmaxf(M, __ldcg(w0 + s * sstride));
   float den = expf(sink - M), o = 0.0f;
+#pragma unroll 8
   for (int s = 0; s < S; ++s) {
     const float* w = w0 + s * sstride;
-    const float f = expf(w[0] - M);
-    den = fmaf(w[1], f, den);
-    o = fmaf(w[2 + d], f, o);
+    const float f = expf(__ldcg(w) - M);
+    den = fmaf(__ldcg(w + 1), f, den);
+    o = fmaf(__ldcg(w + 2 + d), f, o);
   }
   float v = rnd<T>(o / den);
   if (inv_freq) {

@@ -1,5 +1,7 @@
 #include "kernels/cuda/elementwise.h"
 
+#include <algorithm>
+
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/elementwise_dev.cuh"
 #include "util/error.h"
@@ -24,6 +26,7 @@ __global__ void rmsnorm_kernel(const T* x, T* y, const float* __restrict__ w, in
   const int64_t row = blockIdx.x;
   const T* xr = x + row * n;
   double ss = 0.0;
+#pragma unroll 4
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     const float v = ld(xr, i);
     sm[i] = v;
@@ -32,6 +35,7 @@ __global__ void rmsnorm_kernel(const T* x, T* y, const float* __restrict__ w, in
   ss = block_sum(ss, red);
   const float r = 1.0f / sqrtf(static_cast<float>(ss / static_cast<double>(n)) + eps);
   T* yr = y + row * n;
+#pragma unroll 4
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     float v = sm[i] * r;
     if (w) v = w[i] * v;
@@ -71,7 +75,7 @@ __global__ void rope_kernel(T* x, int heads, int hd, int np, const float* __rest
   for (int i = threadIdx.x; i < np; i += blockDim.x) rope_cs(pos, inv_freq[i], cs[i], cs[np + i]);
   __syncthreads();
   const int off = hd - 2 * np;
-  for (int idx = threadIdx.x; idx < heads * np; idx += blockDim.x) {
+  for (int idx = blockIdx.y * blockDim.x + threadIdx.x; idx < heads * np; idx += gridDim.y * blockDim.x) {
     const int h = idx / np, i = idx - h * np;
     T* p = x + (row * heads + h) * static_cast<int64_t>(hd) + off + 2 * i;
     float ra, rb;
@@ -184,7 +188,7 @@ void rmsnorm(Act act, const void* x, void* y, const float* w, int rows, int n, f
   const size_t smem = static_cast<size_t>(n) * sizeof(float);
   DSX_CHECK(smem <= 48 * 1024, "rmsnorm: row too wide");
   DSX_DISPATCH_ACT(act, T,
-                   rmsnorm_kernel<T><<<rows, 256, smem, stream>>>(static_cast<const T*>(x), static_cast<T*>(y), w, n,
+                   rmsnorm_kernel<T><<<rows, std::min(n, 1024), smem, stream>>>(static_cast<const T*>(x), static_cast<T*>(y), w, n,
                                                                   eps, q_codes, q_scales));
   check_launch("rmsnorm");
 }
@@ -202,7 +206,7 @@ void rope(Act act, void* x, int rows, int heads, int head_dim, int n_pairs, cons
   DSX_CHECK(2 * n_pairs <= head_dim && head_dim % 2 == 0, "rope: bad geometry");
   const size_t smem = 2 * static_cast<size_t>(n_pairs) * sizeof(float);
   DSX_DISPATCH_ACT(act, T,
-                   rope_kernel<T><<<rows, 256, smem, stream>>>(static_cast<T*>(x), heads, head_dim, n_pairs, inv_freq,
+                   rope_kernel<T><<<dim3(rows, (heads * n_pairs + 255) / 256), 256, smem, stream>>>(static_cast<T*>(x), heads, head_dim, n_pairs, inv_freq,
                                                                d_pos, inverse));
   check_launch("rope");
 }

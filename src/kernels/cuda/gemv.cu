@@ -5,6 +5,7 @@
 
 #include "kernels/cuda/gemv_device.cuh"
 #include "kernels/cuda/gemv_launch.h"
+#include "kernels/cuda/gemv_stream.h"
 #include "util/error.h"
 
 namespace dsx::cuda {
@@ -569,6 +570,7 @@ void gemv(const QMatrix& W, DType xt, const void* x, int64_t ldx, int T, DType y
     case WFormat::BF16: p.W.row_bytes = W.cols * 2; break;
     case WFormat::F32: p.W.row_bytes = W.cols * 4; break;
   }
+  if (gemv_stream(W, p.W, xt, x, ldx, T, yt, y, ldy, o, qa8, stream)) return;
   if (qa8 && gemv_mma(W, xt, x, ldx, T, yt, y, ldy, o, p.W, stream)) return;
   const Plan pl = make_plan(W.fmt, N, K, G, T, qa8, o.qblock, o.split_ws ? o.split_ws_bytes : 0, sm_count());
   p.N = N;

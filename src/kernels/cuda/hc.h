@@ -5,7 +5,7 @@
 //   hc_pass   : one pass over the streams X [T, 4, D] (act) of every token that fuses
 //               (1) expand of the finished sublayer (optional):
 //                     X_k <- post_k * y + Σ_j comb[j][k] X_j      (stored, act rounding)
-//               (2) the partial sums of the next hc_mix (optional): per D-chunk of 128,
+//               (2) the partial sums of the next hc_mix (optional): per column chunk,
 //                     Φ[:, chunk] · x (24 sums) and Σ x² (double) of the stored X
 //               (3) collapse with known coefficients (optional):
 //                     c = Σ_m pre_m X_m -> `collapsed` [T, D] act, and its Σ c² per chunk
@@ -19,9 +19,31 @@
 // l+1, attn_norm of l+1). Engram layers split the pass (expand only; engram; mix +
 // collapse). The final fold is hc_pass(collapse) + hc_finish(norm only).
 //
+// Launch structure (hc_splits(T, D) = number of column chunks = partials per sum):
+//   hc_pass, T < 32 (decode): "narrow" blocks of 32 columns x 1 token, grid (D/32, T);
+//               with Φ the block has 2 warps, each holding 12 of the 24 Φ rows of its
+//               columns in registers (48 independent loads per lane); D = 5120: 160
+//               blocks / 320 warps stream Φ (2 MB) over all SMs.
+//   hc_pass, T >= 32 (prefill): "wide" blocks of 128 columns x 8 tokens, Φ of a column
+//               in registers for the 8 tokens, grid (D/128, T/8).
+//   hc_finish : grid (mix + D/128, T) of 128 threads. With the mix, block 0 of a token
+//               sums the 24 z rows (3 warps) and Σx² (1 warp) from the partials (loads
+//               all in flight; fixed order: per lane sequential, then the warp butterfly)
+//               and runs the Sinkhorn on warp 0; the other blocks each RMSNorm 128
+//               columns (each warp sums the Σc² partials the same way) beside it.
+// Both kernels use programmatic dependent launch (unless DSX_PDL=0): Φ, β, α and the
+// norm weights are read before griddepcontrol.wait, everything a previous kernel wrote
+// (X, y, post, comb, pre, the partials, the collapsed row) and every global write come
+// after it, and the dependents are released right after the wait. The partials are
+// stored [T][24][ns] f32 and [T][2][ns] f64 in `work`, every value written by exactly
+// one block: results are deterministic (no atomics). DSX_HC_OLD=1 selects the previous
+// launch structure (wide pass at every T, one block per token for the finish, no PDL)
+// for comparisons.
+//
 // Arithmetic follows V41Cpu: expand = fma chains in stream order, collapse = fma chain,
 // Σx² in double. Differences from the CPU are reduction order only (and z is scaled by ν
-// after the projection, the reference's order, instead of before).
+// after the projection, the reference's order, instead of before); the Sinkhorn sums are
+// formed in the CPU's order (bit-identical to it for the same z and ν).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -35,8 +57,9 @@ namespace dsx::cuda {
 inline constexpr int kHcStreams = 4;
 inline constexpr int kHcMix = (2 + kHcStreams) * kHcStreams;  // 24
 
-// Number of D-chunks and the workspace hc_pass / hc_finish share for T tokens.
-int hc_splits(int64_t D);
+// Number of column chunks (partials per sum) of a pass over T tokens, and the
+// workspace hc_pass / hc_finish share for any token count up to T.
+int hc_splits(int T, int64_t D);
 size_t hc_work_bytes(int T, int64_t D);
 
 struct HcPassArgs {

@@ -1,6 +1,7 @@
 #include "kernels/cuda/moe.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <vector>
 
 #include "kernels/cuda/gemm.h"
@@ -8,6 +9,7 @@
 #include "kernels/cuda/gemv.h"
 #include "kernels/cuda/gemv_device.cuh"
 #include "kernels/cuda/gemv_launch.h"
+#include "kernels/cuda/moe_stream.h"
 #include "util/error.h"
 
 namespace dsx::cuda {
@@ -19,6 +21,15 @@ constexpr int kWarps = kThreads / 32;
 constexpr size_t kSmemBudget = 100 * 1024;
 constexpr int kMaxSlots = 16;
 constexpr int kDownRPW = 2;  // rows per warp unit of the down projection
+
+// DSX_MOE_UP_PERSIST=0: one block per up-projection tile also for one token
+bool moe_up_persistent() {
+  static const bool v = [] {
+    const char* e = std::getenv("DSX_MOE_UP_PERSIST");
+    return !(e && *e && std::atoi(e) == 0);
+  }();
+  return v;
+}
 
 size_t align256(size_t v) { return (v + 255) & ~static_cast<size_t>(255); }
 
@@ -365,6 +376,95 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_mma_kernel(const UpMmaPara
   }
 }
 
+// One-token variant of moe_up_mma_kernel: a persistent grid (resident blocks) walks
+// the units (shared tiles first, then (slot, tile) of the routed experts) in strides of
+// the grid, so each block stages the activation (QA8, in the B layout of each format it
+// meets) once instead of once per 16-row tile. Same arithmetic per unit.
+__global__ void __launch_bounds__(kThreads, 2) moe_up_mma_t1_kernel(const UpMmaParams p) {
+  extern __shared__ uint4 smem_mma[];
+  __shared__ uint4 s_zero[4];
+  if (threadIdx.x < 4) s_zero[threadIdx.x] = make_uint4(0, 0, 0, 0);
+  const uint32_t* bzero = reinterpret_cast<const uint32_t*>(s_zero);
+  // [FP8 B fragments | FP8 scales | MXFP4 B fragments | MXFP4 scales | red]
+  const int nbp = (p.NB + 3) & ~3;  // scale rows padded to 16 bytes
+  uint32_t* bs8 = reinterpret_cast<uint32_t*>(smem_mma);
+  float* sas8 = reinterpret_cast<float*>(bs8 + static_cast<int64_t>(p.NB) * 16);
+  uint32_t* bs4 = reinterpret_cast<uint32_t*>(sas8 + nbp);
+  float* sas4 = reinterpret_cast<float*>(bs4 + static_cast<int64_t>(p.NB) * 16);
+  float* red = sas4 + nbp;  // [8 warps][16 rows][8]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int m = warp >> 2, kq = warp & 3;  // matrix (0: w1, 1: w3), quarter of D
+  const int g = lane >> 2;
+  const int n_units = p.n_sblocks + p.topk * p.NTI;
+  dev::pdl_wait();
+  bool have8 = false, have4 = false;
+  for (int unit = blockIdx.x; unit < n_units; unit += gridDim.x) {
+    const bool shared = unit < p.n_sblocks;  // block-uniform
+    int j = p.topk, tile;
+    float wj = 1.0f;
+    dev::WView v;
+    if (shared) {
+      tile = unit;
+      v = m == 0 ? p.sw1 : p.sw3;
+      if (!have8) {
+        dev::stage_b_mma<WFormat::FP8_BLOCK, false>(bs8, sas8, p.NB, 1, p.NB, p.x, p.xt, p.ldx, 0,
+                                                    dev::fp8_mma_prescale<false>());
+        have8 = true;
+        __syncthreads();
+      }
+    } else {
+      const int u = unit - p.n_sblocks;
+      j = u / p.NTI;
+      tile = u % p.NTI;
+      const int e = p.ids[j];
+      wj = p.wts[j];
+      v.w = m == 0 ? p.w1[e] : p.w3[e];
+      v.s = m == 0 ? p.w1s[e] : p.w3s[e];
+      v.row_bytes = p.D / 2;
+      v.sc_cols = p.D / 32;
+      if (!have4) {
+        dev::stage_b_mma<WFormat::MXFP4, false>(bs4, sas4, p.NB, 1, p.NB, p.x, p.xt, p.ldx, 0, dev::kMx4MmaPrescale);
+        have4 = true;
+        __syncthreads();
+      }
+    }
+    if (unit + static_cast<int>(gridDim.x) >= n_units) dev::pdl_launch_dependents();  // last unit of this block
+    const int nsp = static_cast<int>((v.row_bytes + 63) / 64);
+    const int s_lo = nsp * kq / 4, s_hi = nsp * (kq + 1) / 4;
+    const int64_t row0 = static_cast<int64_t>(tile) * 16;
+    float a[1][2] = {{0.f, 0.f}};
+    if (shared) {
+      stream_tile<WFormat::FP8_BLOCK, 1, 4>(v, row0, p.I - 1, s_lo, s_hi, p.NB, bs8, sas8, p.NB, 1, a, lane, bzero);
+      const int tt = dev::mma_acc_token<WFormat::FP8_BLOCK>(0, lane);
+      if (tt < 1) {
+        red[(warp * 16 + g) * 8] = a[0][0];
+        red[(warp * 16 + g + 8) * 8] = a[0][1];
+      }
+    } else {
+      stream_tile<WFormat::MXFP4, 1, 4>(v, row0, p.I - 1, s_lo, s_hi, p.NB, bs4, sas4, p.NB, 1, a, lane, bzero);
+      if ((lane & 3) == 0) {
+        red[(warp * 16 + g) * 8] = a[0][0];
+        red[(warp * 16 + g + 8) * 8] = a[0][1];
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < 16) {
+      const int rl = threadIdx.x;
+      const int row = tile * 16 + rl;
+      if (row < p.I) {
+        float gs = 0.f, us = 0.f;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          gs += red[(q * 16 + rl) * 8];
+          us += red[((4 + q) * 16 + rl) * 8];
+        }
+        p.h[static_cast<int64_t>(j) * p.I + row] = swiglu_h(gs, us, wj, p.lim, p.bf16);
+      }
+    }
+    __syncthreads();  // red is reused by the next unit
+  }
+}
+
 constexpr int kDownU = 4;
 // One 16-row tile of one down-projection slot (kept out of line: one register budget
 // per weight format).
@@ -475,7 +575,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_mma_kernel(const DownMma
 }
 
 struct DecodeLayout {
-  size_t hq = 0, part = 0, cnt = 0, h = 0, total = 0;
+  size_t hq = 0, part = 0, cnt = 0, h = 0, gu = 0, total = 0;
 };
 DecodeLayout decode_layout(const MoeLayer& m, int T, int topk) {
   const int S = topk + (m.shared_w1.data ? 1 : 0);
@@ -489,6 +589,8 @@ DecodeLayout decode_layout(const MoeLayer& m, int T, int topk) {
   off = align256(off + static_cast<size_t>(T) * (m.hidden / kDownRPW) * 4);
   L.h = off;
   off = align256(off + static_cast<size_t>(T) * S * m.inter * 4);
+  L.gu = off;
+  off = align256(off + moe_stream_gu_floats(m, topk) * 4);
   L.total = off;
   return L;
 }
@@ -615,6 +717,16 @@ bool moe_decode_mma(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int
   const size_t smem_dn = static_cast<size_t>(topk + 1) * NBI * (64 + 4) + 16;
   if (smem_dn > detail::max_dynamic_smem(moe_down_mma_kernel)) return false;
 
+  if (T == 1 && moe_up_persistent()) {
+    const size_t smem1 = 2 * (static_cast<size_t>(NB) * 64 + static_cast<size_t>((NB + 3) & ~3) * 4) + kWarps * 16 * 8 * 4;
+    if (smem1 <= detail::max_dynamic_smem(moe_up_mma_t1_kernel)) {
+      const int occ = detail::occupancy(moe_up_mma_t1_kernel, kThreads, smem1);
+      const int64_t grid = std::min<int64_t>(n_up, static_cast<int64_t>(occ) * sm_count());
+      launch_pdl(moe_up_mma_t1_kernel, static_cast<unsigned>(grid), smem1, stream, up);
+      launch_pdl(moe_down_mma_kernel, static_cast<unsigned>(T * NTD), smem_dn, stream, dn);
+      return true;
+    }
+  }
   launch_pdl(kup, static_cast<unsigned>(n_up), smem_up, stream, up);
   launch_pdl(moe_down_mma_kernel, static_cast<unsigned>(T * NTD), smem_dn, stream, dn);
   return true;
@@ -635,6 +747,9 @@ void moe_decode(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int T, 
   const int D = static_cast<int>(m.hidden), I = static_cast<int>(m.inter);
   char* base = static_cast<char*>(ws);
   const bool bf16 = yt == DType::BF16;  // BF16 mode: the reference rounding points
+  if (moe_decode_stream(m, xt, x, ldx, T, topk, ids, weights, yt, y, ldy, reinterpret_cast<float*>(base + L.hq),
+                        reinterpret_cast<float*>(base + L.gu), stream))
+    return;
   if (moe_decode_mma(m, xt, x, ldx, T, topk, ids, weights, yt, y, ldy, base, L, stream)) return;
 
   // ---- up
