@@ -13,6 +13,7 @@
 #include <map>
 #include <mutex>
 #include <random>
+#include <string>
 
 #include "cuda/step_kernels.h"
 #include "kernels/cuda/attention.h"
@@ -378,13 +379,21 @@ std::unique_ptr<DeviceModel> DeviceModel::synthetic(const ModelConfig& cfg, Act 
 }
 
 // ---------------------------------------------------------------------------
-// Optional per-stage timing of a forward step (DSX_PROFILE=1; decode then runs
-// eagerly, without the graph): events between stages, summed per stage name.
+// Optional per-stage timing of a forward step (DSX_PROFILE=1: decode steps, which then
+// run eagerly, without the graph; DSX_PROFILE=prefill: prefill chunks): events between
+// stages, summed per stage name.
 class StageTimer {
  public:
-  StageTimer() : on_(std::getenv("DSX_PROFILE") != nullptr) {}
+  StageTimer() {
+    const char* e = std::getenv("DSX_PROFILE");
+    on_ = e != nullptr;
+    prefill_ = on_ && std::string(e) == "prefill";
+  }
   bool on() const { return on_; }
-  void set_active(bool a) { active_ = a; }  // only decode steps are profiled
+  void set_active(int T) {
+    active_ = prefill_ ? T > 1 : T == 1;
+    if (active_) tokens_ += T;
+  }
   void mark(const char* name, cudaStream_t s) {
     if (!on_ || !active_) return;
     cudaEvent_t e;
@@ -411,7 +420,8 @@ class StageTimer {
     if (!on_ || steps_ == 0) return;
     double total = 0;
     for (const auto& [k, v] : totals_) total += v.first;
-    std::fprintf(stderr, "# DSX_PROFILE: %d steps, %.3f ms per step\n", steps_, total / steps_);
+    std::fprintf(stderr, "# DSX_PROFILE (%s): %d steps of %.1f tokens, %.3f ms per step\n", prefill_ ? "prefill" : "decode",
+                 steps_, static_cast<double>(tokens_) / steps_, total / steps_);
     std::vector<std::pair<double, std::string>> rows;
     for (const auto& [k, v] : totals_) rows.push_back({v.first, k});
     std::sort(rows.rbegin(), rows.rend());
@@ -421,8 +431,9 @@ class StageTimer {
   }
 
  private:
-  bool on_;
+  bool on_ = false, prefill_ = false;
   bool active_ = false;
+  int64_t tokens_ = 0;
   int steps_ = 0;
   std::vector<std::pair<const char*, cudaEvent_t>> marks_;
   std::map<std::string, std::pair<double, int>> totals_;
@@ -535,7 +546,12 @@ CudaSession::CudaSession(const DeviceModel& m, const EngineOptions& o)
   DSX_CUDA_CHECK(cudaEventCreateWithFlags(&ev_hc_fork_, cudaEventDisableTiming));
   DSX_CUDA_CHECK(cudaEventCreateWithFlags(&ev_hc_join_, cudaEventDisableTiming));
   max_ctx_ = o.max_context > 0 ? o.max_context : 8192;
-  tmax_ = 256;
+  // prefill chunk (tokens per forward pass; DSX_PREFILL_CHUNK overrides, 64 .. 4096).
+  // 2048: the routed experts' weights are streamed once per chunk, so larger chunks
+  // prefill faster (H200, 8 synthetic layers: 1296 / 1938 / 2620 tok/s at 256 / 1024 /
+  // 2048); the session's scratch grows with it (logits and index scores per token).
+  tmax_ = 2048;
+  if (const char* e = std::getenv("DSX_PREFILL_CHUNK"); e && *e) tmax_ = std::clamp(std::atoi(e), 64, 4096);
   const int64_t D = c_.hidden, M = c_.hc_mult, H = c_.n_heads, hd = c_.head_dim, ql = c_.q_lora_rank;
   const int64_t G = c_.o_groups, ol = c_.o_lora_rank, E = c_.n_routed_experts, K = c_.n_experts_per_tok;
   const int64_t ih = c_.index_n_heads, ihd = c_.index_head_dim, V = c_.vocab_size;
@@ -760,7 +776,7 @@ void CudaSession::hc_site_pass(const HcPassArgs& p) {
 
 void CudaSession::forward(int T, bool all_rows) {
   const int64_t D = c_.hidden, M = c_.hc_mult, V = c_.vocab_size;
-  prof_.set_active(T == 1);
+  prof_.set_active(T);
   prof_.mark("start", stream_);
   embed_streams(act_, reinterpret_cast<const uint16_t*>(m_.embed.data), d_ids_, T, static_cast<int>(M), D, X_, stream_);
   onehot_pre(pre0_, T, static_cast<int>(M), stream_);
@@ -870,9 +886,10 @@ void CudaSession::attention(int l, int T) {
   }
   // §3.4.2 window KV
   lin(L.wkv, a_, D, T, act_, kv_raw_, hd, true, 1, s_kv);
+  prof_.mark("wkv", stream_);
   kv_finish(act_, kv_raw_, L.kv_norm, c_.rms_eps, T, static_cast<int>(hd), np, inv_freq, cache_.d_pos(), chunk_, s_kv);
   if (branch) DSX_CUDA_CHECK(cudaEventRecord(ev_join_[0], s_kv));
-  prof_.mark("wkv+finish", stream_);
+  prof_.mark("kv_finish", stream_);
   // §3.4.3 compressor (KV sources) and the indexer weights, which read only `a`
   if (r > 0 && c_.is_kv_source(l)) {
     CompressorArgs ca;
@@ -987,7 +1004,13 @@ void CudaSession::moe(int l, int T) {
   ro.gate_temp = c_.gate_temp;
   ro.norm_topk_prob = c_.norm_topk_prob;
   ro.route_scale = c_.routed_scaling;
-  router(act_, f_, D, T, L.gate, L.gate_bias, K, ro, router_logits_, route_ids_, route_w_, stream_);
+  if (T <= kGemvMaxT) {
+    router(act_, f_, D, T, L.gate, L.gate_bias, K, ro, router_logits_, route_ids_, route_w_, stream_);
+  } else {  // prefill: the gate product on the tensor cores (GEMM), then the selection
+    lin(L.gate, f_, D, T, Act::F32, router_logits_, c_.n_routed_experts, false);
+    router_select(router_logits_, c_.n_routed_experts, T, c_.n_routed_experts, L.gate_bias, K, ro, route_ids_, route_w_,
+                  stream_);
+  }
   prof_.mark("router", stream_);
   if (T <= kGemvMaxT) {
     moe_decode(L.moe, act_, f_, D, T, K, route_ids_, route_w_, act_, y_, D, moe_ws_, moe_ws_bytes_, stream_);

@@ -5,6 +5,7 @@
 
 #include "kernels/cuda/gemv_device.cuh"
 #include "kernels/cuda/gemv_launch.h"
+#include "kernels/cuda/gemv_bulk.h"
 #include "kernels/cuda/gemv_stream.h"
 #include "util/error.h"
 
@@ -291,6 +292,10 @@ bool moe_mma_enabled() {
   static const bool v = env_int("DSX_MOE_MMA", 1) != 0;
   return v;
 }
+int gemv_mma_ks() {
+  static const int v = env_int("DSX_MMA_KS", 0);  // 0: chosen per shape
+  return v;
+}
 int gemv_mma_depth() {
   static const int v = env_int("DSX_MMA_U", 0);  // 0: chosen per shape
   return v;
@@ -331,6 +336,7 @@ MmaPlan mma_plan_for(Kern kern, WFormat f, int64_t N, int K, int T, int64_t row_
       ks = k;
     }
   }
+  if (const int force = gemv_mma_ks(); force > 0 && force <= kWarps && (force == 1 || force * 2 <= pl.nsp)) ks = force;
   pl.KS = ks;
   pl.TPB = kWarps / ks;
   pl.ntg = (pl.n_tiles + pl.TPB - 1) / pl.TPB;
@@ -340,26 +346,6 @@ MmaPlan mma_plan_for(Kern kern, WFormat f, int64_t N, int K, int T, int64_t row_
   pl.smem = base + (ks > 1 ? static_cast<size_t>(rounds) * red_round : 0);
   pl.ok = pl.smem <= maxdyn;
   return pl;
-}
-
-template <typename Kern>
-void launch_maybe_pdl(Kern kern, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, const MmaParams& p) {
-  if (pdl_enabled()) {
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = grid;
-    cfg.blockDim = block;
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    DSX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kern, p));
-  } else {
-    kern<<<grid, block, smem, stream>>>(p);
-  }
-  DSX_CUDA_CHECK(cudaGetLastError());
 }
 
 template <WFormat F, bool HW, int P, int U>
@@ -375,7 +361,7 @@ bool try_launch_mma(const MmaParams& base, int K, cudaStream_t stream) {
   p.tstride = pl.NB;
   p.n_tiles = pl.n_tiles;
   p.ntg = pl.ntg;
-  launch_maybe_pdl(kern, dim3(static_cast<unsigned>(pl.grid)), dim3(kThreads), pl.smem, stream, p);
+  detail::launch_pdl(kern, dim3(static_cast<unsigned>(pl.grid)), dim3(kThreads), pl.smem, stream, p);
   return true;
 }
 
@@ -571,6 +557,7 @@ void gemv(const QMatrix& W, DType xt, const void* x, int64_t ldx, int T, DType y
     case WFormat::F32: p.W.row_bytes = W.cols * 4; break;
   }
   if (gemv_stream(W, p.W, xt, x, ldx, T, yt, y, ldy, o, qa8, stream)) return;
+  if (qa8 && gemv_bulk(W, xt, x, ldx, T, yt, y, ldy, o, stream)) return;
   if (qa8 && gemv_mma(W, xt, x, ldx, T, yt, y, ldy, o, p.W, stream)) return;
   const Plan pl = make_plan(W.fmt, N, K, G, T, qa8, o.qblock, o.split_ws ? o.split_ws_bytes : 0, sm_count());
   p.N = N;

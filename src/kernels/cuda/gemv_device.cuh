@@ -15,6 +15,7 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/pdl_device.cuh"
 #include "kernels/cuda/quant_act_device.cuh"
 #include "kernels/qmatrix.h"
 
@@ -669,19 +670,6 @@ __device__ __forceinline__ void stage_b_mma(uint32_t* bs, float* sas, int tstrid
       }
     }
   }
-}
-
-// Grid-dependency control (programmatic dependent launch); no-ops when the kernel was
-// launched without the attribute.
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
 }
 
 }  // namespace dsx::cuda::dev

@@ -88,8 +88,28 @@ bool gemv_mma_hwcvt();
 bool pdl_enabled();
 bool moe_mma_enabled();  // DSX_MOE_MMA = 0: the MoE decode keeps the CUDA-core kernels
 int gemv_mma_depth();  // DSX_MMA_U: spans in flight per lane (4 or 8; 0 = per shape, default)
+int gemv_mma_ks();     // DSX_MMA_KS: warps splitting K (1/2/4/8; 0 = per shape, default)
 }  // namespace dsx::cuda
 
 namespace dsx::cuda::detail {
+
+// Launches kern<<<grid, block, smem, stream>>>(args...) with programmatic dependent
+// launch (the kernel may start while the previous one in the stream finishes; it must
+// call griddepcontrol.wait before touching that kernel's results) unless DSX_PDL=0.
+template <typename... KArgs, typename... Args>
+void launch_pdl(void (*kern)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  DSX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kern, std::forward<Args>(args)...));
+  DSX_CUDA_CHECK(cudaGetLastError());
+}
 
 }  // namespace dsx::cuda::detail

@@ -1,19 +1,21 @@
-// Decode GEMV for one or two tokens: the weight matrix streamed as one contiguous,
-// evenly divided byte range (gemv.h semantics; CUDA-core arithmetic of
-// gemv_device.cuh: exact weight decoding, f32 products and sums).
+// Decode GEMV for one token: the weight matrix streamed as one contiguous, evenly
+// divided byte range (gemv.h semantics; CUDA-core arithmetic of gemv_device.cuh: exact
+// weight decoding, f32 products and sums).
 //
-// Why a separate kernel: at T <= 2 a weight byte is used for one or two FMAs, so the
-// only thing that matters is keeping enough 16-byte loads in flight on every SM for the
-// whole kernel. Here
 //   * the grid is one wave (resident blocks), each block owning a contiguous range of
 //     whole rows (flattened over groups), so every SM streams the same number of bytes;
-//   * inside a block the rows are cut into warp "steps" (32 consecutive 16-byte chunks
-//     of one row, one coalesced 512-byte load per warp) and the steps are divided evenly
-//     among the 8 warps, regardless of row boundaries; rows shared by two or more warps
-//     are summed through shared memory in warp order (deterministic);
+//   * inside a block the rows are cut into warp "steps" (CPS chunks of 16 bytes per lane
+//     of one row; each warp load one coalesced 512 bytes) and the steps are divided
+//     evenly among the 8 warps, regardless of row boundaries; rows shared by two or more
+//     warps are summed through shared memory in warp order (deterministic);
 //   * each lane keeps U steps in flight; the first U are issued before the grid
 //     dependency wait (programmatic dependent launch), i.e. while the previous kernel
 //     finishes, and the activations are staged (with QA8) after that.
+//
+// Measured on the H200 (bench_cuda_kernels): faster than the default kernels for BF16
+// weights of a few MB (router gate, compressor, indexer weights), which use it by
+// default; slower for FP8 / MXFP4 (the decoding on CUDA cores makes it issue-bound, ~4
+// instructions per weight byte), which use it only with DSX_GEMV_STREAM=1.
 #include <algorithm>
 #include <cstdint>
 
@@ -181,18 +183,7 @@ bool launch_stream(const StreamParams& base, cudaStream_t stream) {
   if (((p.rows + blocks - 1) / blocks + 1) * p.spr > (int64_t{1} << 30)) return false;
   p.blocks = blocks;
   p.smem_floats = static_cast<int>(span * p.K);
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl_enabled() ? 1 : 0;
-  DSX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kern, p));
-  DSX_CUDA_CHECK(cudaGetLastError());
+  detail::launch_pdl(kern, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), smem, stream, p);
   return true;
 }
 

@@ -6,6 +6,7 @@
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/elementwise_dev.cuh"
+#include "kernels/cuda/pdl_device.cuh"
 #include "kernels/cuda/gemv_launch.h"  // pdl_enabled
 #include "util/error.h"
 
@@ -14,20 +15,6 @@ namespace dsx::cuda {
 using namespace dev;
 
 namespace {
-
-// Grid-dependency control (programmatic dependent launch), as dev::pdl_wait /
-// dev::pdl_launch_dependents of gemv_device.cuh (which cannot be included beside
-// elementwise_dev.cuh); no-ops when the kernel was launched without the attribute.
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
 
 constexpr int kM = kHcStreams;
 constexpr int kWide = 128;                          // columns per block of the wide pass (T >= kWideT), one per thread

@@ -9,6 +9,7 @@
 #include "kernels/cuda/gemv.h"
 #include "kernels/cuda/gemv_device.cuh"
 #include "kernels/cuda/gemv_launch.h"
+#include "kernels/cuda/moe_device.cuh"
 #include "kernels/cuda/moe_stream.h"
 #include "util/error.h"
 
@@ -32,20 +33,6 @@ bool moe_up_persistent() {
 }
 
 size_t align256(size_t v) { return (v + 255) & ~static_cast<size_t>(255); }
-
-__device__ __forceinline__ float swiglu_h(float g, float u, float w, float lim, int bf16) {
-  if (bf16) {
-    g = round_bf16(g);
-    u = round_bf16(u);
-  }
-  if (lim > 0.0f) {
-    u = fminf(fmaxf(u, -lim), lim);
-    g = fminf(g, lim);
-  }
-  float h = w * ((g / (1.0f + expf(-g))) * u);
-  if (bf16) h = round_bf16(h);
-  return h;
-}
 
 // ---------------------------------------------------------------------------------
 // Up projection: w1 / w3 of every (token, slot) + SwiGLU + routing weight + QA8 -> hq.
@@ -120,7 +107,7 @@ __global__ void __launch_bounds__(kThreads) moe_up_kernel(const UpParams p) {
         dev::warp_reduce<4, 1>(au);
 #pragma unroll
         for (int r = 0; r < 4; ++r)
-          if (lane == r) eta[lr + r] = swiglu_h(ag[r][0], au[r][0], wj, p.lim, p.bf16);
+          if (lane == r) eta[lr + r] = dev::swiglu_h(ag[r][0], au[r][0], wj, p.lim, p.bf16);
       }
       __syncthreads();
       const int nqb = p.UR / p.qblock;
@@ -371,7 +358,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_mma_kernel(const UpMmaPara
         us += red[((4 + q) * 16 + rl) * 8 + tt];
       }
       const int tok = shared ? tt : t;
-      p.h[(static_cast<int64_t>(tok) * p.S + j) * p.I + row] = swiglu_h(gs, us, wj, p.lim, p.bf16);
+      p.h[(static_cast<int64_t>(tok) * p.S + j) * p.I + row] = dev::swiglu_h(gs, us, wj, p.lim, p.bf16);
     }
   }
 }
@@ -458,7 +445,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_mma_t1_kernel(const UpMmaP
           gs += red[(q * 16 + rl) * 8];
           us += red[((4 + q) * 16 + rl) * 8];
         }
-        p.h[static_cast<int64_t>(j) * p.I + row] = swiglu_h(gs, us, wj, p.lim, p.bf16);
+        p.h[static_cast<int64_t>(j) * p.I + row] = dev::swiglu_h(gs, us, wj, p.lim, p.bf16);
       }
     }
     __syncthreads();  // red is reused by the next unit
@@ -491,47 +478,51 @@ struct DownMmaParams {
   int64_t ldy;
 };
 
-__global__ void __launch_bounds__(kThreads, 2) moe_down_mma_kernel(const DownMmaParams p) {
-  extern __shared__ uint4 smem_mma[];
-  __shared__ uint4 s_zero[4];
-  if (threadIdx.x < 4) s_zero[threadIdx.x] = make_uint4(0, 0, 0, 0);
-  const uint32_t* bzero = reinterpret_cast<const uint32_t*>(s_zero);
-  __shared__ float part[kMaxSlots + 2][16];
-  __shared__ int order[kMaxSlots];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, c = lane & 3;
-  const int t = blockIdx.x / p.NTD, tile = blockIdx.x % p.NTD;
-  const int64_t row0 = static_cast<int64_t>(tile) * 16;
-  uint32_t* bs_r = reinterpret_cast<uint32_t*>(smem_mma);  // routed slots, MXFP4 order
-  float* sas_r = reinterpret_cast<float*>(bs_r + static_cast<int64_t>(p.topk) * p.NBI * 16);
-  uint32_t* bs_s = reinterpret_cast<uint32_t*>(smem_mma) +
-                   ((static_cast<int64_t>(p.topk) * p.NBI * 17 + 3) & ~static_cast<int64_t>(3));  // shared, FP8 order
-  float* sas_s = reinterpret_cast<float*>(bs_s + static_cast<int64_t>(p.NBI) * 16);
-  dev::pdl_wait();
+// Shared memory of a down block: QA8(h) of the token's routed slots (MXFP4 B order)
+// and of the shared expert (FP8 B order), the slot partial sums and the slot order.
+struct DownSmem {
+  uint32_t* bs_r;
+  float* sas_r;
+  uint32_t* bs_s;
+  float* sas_s;
+  float (*part)[16];
+  int* order;
+  const uint32_t* bzero;
+};
+
+// Stages QA8(h) of token t (fq: also written there, unscaled) and the slot order
+// (ascending expert id, shared expert last). All threads.
+__device__ __forceinline__ void down_stage(const DownMmaParams& p, int t, float* fq, const DownSmem& sm) {
   if (threadIdx.x == 0) {
-    for (int j = 0; j < p.S; ++j) order[j] = j;
+    for (int j = 0; j < p.S; ++j) sm.order[j] = j;
     for (int a = 1; a < p.topk; ++a) {
-      const int v = order[a];
+      const int v = sm.order[a];
       const int ev = p.ids[t * p.topk + v];
       int b = a - 1;
-      while (b >= 0 && p.ids[t * p.topk + order[b]] > ev) {
-        order[b + 1] = order[b];
+      while (b >= 0 && p.ids[t * p.topk + sm.order[b]] > ev) {
+        sm.order[b + 1] = sm.order[b];
         --b;
       }
-      order[b + 1] = v;
+      sm.order[b + 1] = v;
     }
   }
   const int64_t hrow = static_cast<int64_t>(t) * p.S * p.I;
-  float* fq = tile == 0 ? p.hq + hrow : nullptr;
-  dev::stage_b_mma<WFormat::MXFP4, false>(bs_r, sas_r, p.NBI, p.topk, p.NBI, p.h, 0, p.I, hrow, dev::kMx4MmaPrescale,
-                                          fq, p.I);
+  dev::stage_b_mma<WFormat::MXFP4, false>(sm.bs_r, sm.sas_r, p.NBI, p.topk, p.NBI, p.h, 0, p.I, hrow,
+                                          dev::kMx4MmaPrescale, fq, p.I);
   if (p.has_shared)
-    dev::stage_b_mma<WFormat::FP8_BLOCK, false>(bs_s, sas_s, p.NBI, 1, p.NBI, p.h, 0, p.I,
+    dev::stage_b_mma<WFormat::FP8_BLOCK, false>(sm.bs_s, sm.sas_s, p.NBI, 1, p.NBI, p.h, 0, p.I,
                                                 hrow + static_cast<int64_t>(p.topk) * p.I,
-                                                dev::fp8_mma_prescale<false>(), fq ? fq + static_cast<int64_t>(p.topk) * p.I : nullptr,
-                                                p.I);
-  __syncthreads();
-  dev::pdl_launch_dependents();
+                                                dev::fp8_mma_prescale<false>(),
+                                                fq ? fq + static_cast<int64_t>(p.topk) * p.I : nullptr, p.I);
+}
+
+// Output rows [16 tile, 16 tile + 16) of token t: each warp streams w2 of one slot (the
+// shared expert: two warps, halves of I); the slot outputs are added in sm.order. All
+// threads; ends with the partial sums consumed (the caller syncs before reusing them).
+__device__ __forceinline__ void down_tile_out(const DownMmaParams& p, int t, int tile, const DownSmem& sm) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int64_t row0 = static_cast<int64_t>(tile) * 16;
   const int items = p.topk + 2 * p.has_shared;
   for (int it = warp; it < items; it += kWarps) {
     float2 r;
@@ -543,18 +534,17 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_mma_kernel(const DownMma
       v.row_bytes = p.I / 2;
       v.sc_cols = p.I / 32;
       r = down_tile<WFormat::MXFP4>(v, row0, p.D - 1, 0, (p.I / 2 + 63) / 64, p.NBI,
-                                    bs_r + static_cast<int64_t>(it) * p.NBI * 16, sas_r + static_cast<int64_t>(it) * p.NBI,
-                                    lane, bzero);
+                                    sm.bs_r + static_cast<int64_t>(it) * p.NBI * 16,
+                                    sm.sas_r + static_cast<int64_t>(it) * p.NBI, lane, sm.bzero);
     } else {
       const int hh = it - p.topk;
       const int nsp = (p.I + 63) / 64;
-      r = down_tile<WFormat::FP8_BLOCK>(p.sw2, row0, p.D - 1, hh * nsp / 2, (hh + 1) * nsp / 2, p.NBI, bs_s, sas_s, lane,
-                                        bzero);
+      r = down_tile<WFormat::FP8_BLOCK>(p.sw2, row0, p.D - 1, hh * nsp / 2, (hh + 1) * nsp / 2, p.NBI, sm.bs_s,
+                                        sm.sas_s, lane, sm.bzero);
     }
-    const float a[1][2] = {{r.x, r.y}};
     if (c == 0) {
-      part[it][g] = a[0][0];
-      part[it][g + 8] = a[0][1];
+      sm.part[it][g] = r.x;
+      sm.part[it][g + 8] = r.y;
     }
   }
   __syncthreads();
@@ -564,8 +554,8 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_mma_kernel(const DownMma
     if (row < p.D) {
       float tot = 0.0f;
       for (int s = 0; s < p.S; ++s) {
-        const int j = order[s];
-        float v = j < p.topk ? part[j][rl] : part[p.topk][rl] + part[p.topk + 1][rl];
+        const int j = sm.order[s];
+        float v = j < p.topk ? sm.part[j][rl] : sm.part[p.topk][rl] + sm.part[p.topk + 1][rl];
         if (p.bf16) v = round_bf16(v);
         tot += v;
       }
@@ -573,6 +563,51 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_mma_kernel(const DownMma
     }
   }
 }
+
+// The block's shared memory as DownSmem (shared variables of a device function are
+// allocated once per block).
+__device__ __forceinline__ DownSmem down_smem(const DownMmaParams& p) {
+  extern __shared__ uint4 smem_mma[];
+  __shared__ uint4 s_zero[4];
+  __shared__ float part[kMaxSlots + 2][16];
+  __shared__ int order[kMaxSlots];
+  if (threadIdx.x < 4) s_zero[threadIdx.x] = make_uint4(0, 0, 0, 0);
+  DownSmem sm;
+  sm.bs_r = reinterpret_cast<uint32_t*>(smem_mma);
+  sm.sas_r = reinterpret_cast<float*>(sm.bs_r + static_cast<int64_t>(p.topk) * p.NBI * 16);
+  sm.bs_s = reinterpret_cast<uint32_t*>(smem_mma) + ((static_cast<int64_t>(p.topk) * p.NBI * 17 + 3) & ~int64_t{3});
+  sm.sas_s = reinterpret_cast<float*>(sm.bs_s + static_cast<int64_t>(p.NBI) * 16);
+  sm.part = part;
+  sm.order = order;
+  sm.bzero = reinterpret_cast<const uint32_t*>(s_zero);
+  return sm;
+}
+
+// One block per (token, 16-row tile of D).
+__global__ void __launch_bounds__(kThreads, 2) moe_down_mma_kernel(const DownMmaParams p) {
+  const DownSmem sm = down_smem(p);
+  const int t = blockIdx.x / p.NTD, tile = blockIdx.x % p.NTD;
+  dev::pdl_wait();
+  down_stage(p, t, tile == 0 ? p.hq + static_cast<int64_t>(t) * p.S * p.I : nullptr, sm);
+  __syncthreads();
+  dev::pdl_launch_dependents();
+  down_tile_out(p, t, tile, sm);
+}
+
+// One token: a persistent grid walks the tiles of D in strides of the grid, staging
+// QA8(h) once per block (block 0 owns tile 0 and writes h).
+__global__ void __launch_bounds__(kThreads, 2) moe_down_mma_t1_kernel(const DownMmaParams p) {
+  const DownSmem sm = down_smem(p);
+  dev::pdl_wait();
+  down_stage(p, 0, blockIdx.x == 0 ? p.hq : nullptr, sm);
+  __syncthreads();
+  dev::pdl_launch_dependents();
+  for (int tile = blockIdx.x; tile < p.NTD; tile += gridDim.x) {
+    down_tile_out(p, 0, tile, sm);
+    __syncthreads();  // part is reused by the next tile
+  }
+}
+
 
 struct DecodeLayout {
   size_t hq = 0, part = 0, cnt = 0, h = 0, gu = 0, total = 0;
@@ -628,26 +663,6 @@ void check_layer(const MoeLayer& m, int topk) {
   }
 }
 
-
-template <typename Kern, typename Params>
-void launch_pdl(Kern kern, unsigned grid, size_t smem, cudaStream_t stream, const Params& p) {
-  if (pdl_enabled()) {
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(grid);
-    cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    DSX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kern, p));
-  } else {
-    kern<<<grid, kThreads, smem, stream>>>(p);
-  }
-  DSX_CUDA_CHECK(cudaGetLastError());
-}
 
 // The tensor-core decode path when it applies (false: the CUDA-core kernels).
 bool moe_decode_mma(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int T, int topk, const int32_t* ids,
@@ -722,13 +737,19 @@ bool moe_decode_mma(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int
     if (smem1 <= detail::max_dynamic_smem(moe_up_mma_t1_kernel)) {
       const int occ = detail::occupancy(moe_up_mma_t1_kernel, kThreads, smem1);
       const int64_t grid = std::min<int64_t>(n_up, static_cast<int64_t>(occ) * sm_count());
-      launch_pdl(moe_up_mma_t1_kernel, static_cast<unsigned>(grid), smem1, stream, up);
-      launch_pdl(moe_down_mma_kernel, static_cast<unsigned>(T * NTD), smem_dn, stream, dn);
+      detail::launch_pdl(moe_up_mma_t1_kernel, dim3(static_cast<unsigned>(grid)), dim3(kThreads), smem1, stream, up);
+      if (smem_dn <= detail::max_dynamic_smem(moe_down_mma_t1_kernel)) {
+        const int occd = detail::occupancy(moe_down_mma_t1_kernel, kThreads, smem_dn);
+        const int64_t gridd = std::min<int64_t>(NTD, static_cast<int64_t>(occd) * sm_count());
+        detail::launch_pdl(moe_down_mma_t1_kernel, dim3(static_cast<unsigned>(gridd)), dim3(kThreads), smem_dn, stream, dn);
+      } else {
+        detail::launch_pdl(moe_down_mma_kernel, dim3(static_cast<unsigned>(T * NTD)), dim3(kThreads), smem_dn, stream, dn);
+      }
       return true;
     }
   }
-  launch_pdl(kup, static_cast<unsigned>(n_up), smem_up, stream, up);
-  launch_pdl(moe_down_mma_kernel, static_cast<unsigned>(T * NTD), smem_dn, stream, dn);
+  detail::launch_pdl(kup, dim3(static_cast<unsigned>(n_up)), dim3(kThreads), smem_up, stream, up);
+  detail::launch_pdl(moe_down_mma_kernel, dim3(static_cast<unsigned>(T * NTD)), dim3(kThreads), smem_dn, stream, dn);
   return true;
 }
 
@@ -895,7 +916,7 @@ __global__ void swiglu_rows_kernel(const float* __restrict__ gu, int rows, int n
     const int64_t p = k / I, i = k % I;
     const float w = p < n_routed ? weights[perm[p]] : 1.0f;
     const float* r = gu + p * 2 * I;
-    h[k] = swiglu_h(r[i], r[I + i], w, lim, bf16);
+    h[k] = dev::swiglu_h(r[i], r[I + i], w, lim, bf16);
   }
 }
 

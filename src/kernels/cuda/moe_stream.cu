@@ -22,6 +22,7 @@
 
 #include "kernels/cuda/gemv_launch.h"
 #include "kernels/cuda/gemv_stream_device.cuh"
+#include "kernels/cuda/moe_device.cuh"
 #include "kernels/cuda/moe_stream.h"
 #include "util/error.h"
 
@@ -33,20 +34,6 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kU = 16;     // steps in flight per lane
 constexpr int kMaxS = 16;  // slots (topk + shared)
-
-__device__ __forceinline__ float swiglu(float g, float u, float w, float lim, int bf16) {
-  if (bf16) {
-    g = round_bf16(g);
-    u = round_bf16(u);
-  }
-  if (lim > 0.0f) {
-    u = fminf(fmaxf(u, -lim), lim);
-    g = fminf(g, lim);
-  }
-  float h = w * ((g / (1.0f + expf(-g))) * u);
-  if (bf16) h = round_bf16(h);
-  return h;
-}
 
 // ---------------------------------------------------------------------------------
 // up
@@ -319,7 +306,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_stream_kernel(const Down
     for (int k = 0; k < 4; ++k) {
       if (k < per) {
         const int i = blk * p.qblock + lane + 32 * k;
-        v[k] = swiglu(__ldcg(g + i), __ldcg(u + i), w, p.lim, p.bf16);
+        v[k] = dev::swiglu_h(__ldcg(g + i), __ldcg(u + i), w, p.lim, p.bf16);
         m = fmaxf(m, fabsf(v[k]));
       }
     }
@@ -404,22 +391,6 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_stream_kernel(const Down
   }
 }
 
-template <typename Kern, typename P>
-void launch(Kern kern, int64_t blocks, size_t smem, cudaStream_t stream, const P& p) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl_enabled() ? 1 : 0;
-  DSX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kern, p));
-  DSX_CUDA_CHECK(cudaGetLastError());
-}
-
 int fp8_shift(int block) {
   int s = 0;
   while ((1 << s) < block) ++s;
@@ -496,7 +467,7 @@ bool moe_decode_stream(const MoeLayer& m, DType xt, const void* x, int64_t ldx, 
     nb_sh = std::clamp<int64_t>(nb_sh, has_shared ? 1 : 0, std::min<int64_t>(rows_sh, blocks - 1));
     blocks = std::min(blocks, nb_sh + rows_mx);
     up.nb_sh = static_cast<int>(nb_sh);
-    launch(moe_up_stream_kernel, blocks, smem, stream, up);
+    detail::launch_pdl(moe_up_stream_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), smem, stream, up);
   }
 
   DownParams dn{};
@@ -535,7 +506,7 @@ bool moe_decode_stream(const MoeLayer& m, DType xt, const void* x, int64_t ldx, 
       blocks = nb;
     }
     smem = base + static_cast<size_t>((D + blocks - 1) / blocks) * S * 4;
-    launch(moe_down_stream_kernel, blocks, smem, stream, dn);
+    detail::launch_pdl(moe_down_stream_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), smem, stream, dn);
   }
   return true;
 }
