@@ -1,6 +1,8 @@
 // EXPERIMENTAL (opt-in, DSX_GEMV_BULK=1): measured slower than the default tensor-core
 // GEMV on the H200 (wo_b [5120, 8192]: 38-42 us vs 27 us; ~20 % of DRAM bandwidth, warps
-// mostly stalled on long-scoreboard waits); kept, tested, for further work.
+// mostly stalled on long-scoreboard waits); kept, tested, for further work. Untested
+// hypothesis: 16 small row copies per stage make the bulk-copy engine's request rate the
+// limit; next experiment: one 2D tensor-map copy (cp.async.bulk.tensor) per stage.
 //
 // Decode GEMV for FP8_BLOCK weights with QA8'd activations (T <= 2), streamed by the
 // bulk-copy engine (gemv.h semantics; the tensor-core arithmetic of gemv_device.cuh:
