@@ -158,45 +158,31 @@ void add_flops(const std::string& name, const std::string& shape, int T, double 
 
 std::string shp(int64_t N, int64_t K) { return "[" + std::to_string(N) + "," + std::to_string(K) + "]"; }
 
-int64_t data_bytes(WFormat f, int64_t N, int64_t K) {
-  switch (f) {
-    case WFormat::F32: return N * K * 4;
-    case WFormat::BF16: return N * K * 2;
-    case WFormat::FP8_BLOCK: return N * K;
-    case WFormat::MXFP4: return N * K / 2;
-  }
-  return 0;
-}
-int64_t scale_bytes(WFormat f, int64_t N, int64_t K, int B) {
-  if (f == WFormat::FP8_BLOCK) return ((N + B - 1) / B) * ((K + B - 1) / B);
-  if (f == WFormat::MXFP4) return N * (K / 32);
-  return 0;
-}
-
 // Several device copies of a random weight, enough to defeat the L2.
 struct Copies {
   std::vector<DeviceBuffer> data, scale;
   std::vector<QMatrix> q;
   int64_t bytes = 0;
   Copies(WFormat f, int64_t N, int64_t K, int B = 32, size_t min_total = 512u << 20) {
-    const int64_t db = data_bytes(f, N, K), sb = scale_bytes(f, N, K, B);
+    QMatrix shape;
+    shape.fmt = f;
+    shape.rows = N;
+    shape.cols = K;
+    shape.block = B;
+    shape.name = "bench";
+    const int64_t db = shape.data_bytes(), sb = shape.scale_bytes();
     bytes = db + sb;
     const int n = static_cast<int>(std::max<int64_t>(2, (static_cast<int64_t>(min_total) + bytes - 1) / bytes));
     for (int i = 0; i < n; ++i) {
       data.emplace_back(static_cast<size_t>(db));
       fill_random(data.back().get(), static_cast<size_t>(db), static_cast<uint64_t>(i));
-      QMatrix m;
-      m.fmt = f;
-      m.rows = N;
-      m.cols = K;
-      m.block = B;
+      QMatrix m = shape;
       m.data = data.back().as<uint8_t>();
       if (sb > 0) {
         scale.emplace_back(static_cast<size_t>(sb));
         fill_byte(scale.back().get(), static_cast<size_t>(sb), f == WFormat::FP8_BLOCK ? 116 : 121);
         m.scale = scale.back().as<uint8_t>();
       }
-      m.name = "bench";
       q.push_back(m);
     }
   }

@@ -17,6 +17,7 @@
 #ifdef DSX_HAVE_CUDA
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/elementwise_types.h"  // Act
+#include "kernels/qmatrix.h"
 
 #define SKIP_WITHOUT_GPU() \
   if (!dsx::cuda::device_available()) GTEST_SKIP() << "no CUDA device"
@@ -116,6 +117,25 @@ inline std::vector<float> download_act(const DeviceBuffer& b, size_t n, Act act)
     for (size_t i = 0; i < n; ++i) v[i] = dsx::bf16_to_f32(h[i]);
   }
   return v;
+}
+// A weight matrix (host pointers) copied to the device; q holds the device pointers.
+struct DevMatrix {
+  DeviceBuffer data, scale;
+  dsx::QMatrix q;
+};
+inline DevMatrix upload_matrix(const dsx::QMatrix& h) {
+  DevMatrix d;
+  d.q = h;
+  d.data.alloc(static_cast<size_t>(h.data_bytes()));
+  d.data.upload(h.data, d.data.size());
+  d.q.data = d.data.as<uint8_t>();
+  d.q.scale = nullptr;
+  if (h.scale_bytes() > 0) {
+    d.scale.alloc(static_cast<size_t>(h.scale_bytes()));
+    d.scale.upload(h.scale, d.scale.size());
+    d.q.scale = d.scale.as<uint8_t>();
+  }
+  return d;
 }
 template <typename V>
 DeviceBuffer upload_vec(const std::vector<V>& v) {

@@ -21,6 +21,7 @@
 #include "kernels/cpu/linear.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/quant.h"
+#include "cuda_test_util.h"
 #include "kernels/cpu/twin_linear.h"
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/gemm.h"
@@ -36,68 +37,10 @@ namespace twin = dsx::cpu::twin;
 
 namespace {
 
-#define SKIP_WITHOUT_GPU() \
-  if (!dsx::cuda::device_available()) GTEST_SKIP() << "no CUDA device"
-
-int64_t data_bytes(const QMatrix& W) {
-  switch (W.fmt) {
-    case WFormat::F32: return W.rows * W.cols * 4;
-    case WFormat::BF16: return W.rows * W.cols * 2;
-    case WFormat::FP8_BLOCK: return W.rows * W.cols;
-    case WFormat::MXFP4: return W.rows * W.cols / 2;
-  }
-  return 0;
-}
-int64_t scale_bytes(const QMatrix& W) {
-  if (W.fmt == WFormat::FP8_BLOCK) return ((W.rows + W.block - 1) / W.block) * ((W.cols + W.block - 1) / W.block);
-  if (W.fmt == WFormat::MXFP4) return W.rows * (W.cols / 32);
-  return 0;
-}
-
-struct DevMatrix {
-  DeviceBuffer data, scale;
-  QMatrix q;
-};
-DevMatrix upload(const QMatrix& h) {
-  DevMatrix d;
-  d.q = h;
-  d.data.alloc(static_cast<size_t>(data_bytes(h)));
-  d.data.upload(h.data, d.data.size());
-  d.q.data = d.data.as<uint8_t>();
-  if (scale_bytes(h) > 0) {
-    d.scale.alloc(static_cast<size_t>(scale_bytes(h)));
-    d.scale.upload(h.scale, d.scale.size());
-    d.q.scale = d.scale.as<uint8_t>();
-  } else {
-    d.q.scale = nullptr;
-  }
-  return d;
-}
-
-// Activations in device memory as type t (values must be bf16-exact for BF16).
-DeviceBuffer upload_acts(const std::vector<float>& x, DType t) {
-  DeviceBuffer b(x.size() * cuda::dtype_size(t));
-  if (t == DType::F32) {
-    b.upload(x.data(), x.size() * 4);
-  } else {
-    std::vector<uint16_t> h(x.size());
-    for (size_t i = 0; i < x.size(); ++i) h[i] = f32_to_bf16(x[i]);
-    b.upload(h.data(), h.size() * 2);
-  }
-  return b;
-}
-
-std::vector<float> download_acts(const DeviceBuffer& b, size_t n, DType t) {
-  std::vector<float> v(n);
-  if (t == DType::F32) {
-    b.download(v.data(), n * 4);
-  } else {
-    std::vector<uint16_t> h(n);
-    b.download(h.data(), n * 2);
-    for (size_t i = 0; i < n; ++i) v[i] = bf16_to_f32(h[i]);
-  }
-  return v;
-}
+using dsx_test::DevMatrix;
+using dsx_test::download_act;
+using dsx_test::upload_act;
+using dsx_test::upload_matrix;
 
 // |got - ref| <= ka * abs + kr * |ref| (+ 1e-30) everywhere.
 void expect_close(const std::vector<float>& got, const std::vector<float>& ref, const std::vector<float>& abs, double ka,
@@ -133,7 +76,7 @@ struct Weight {
 Weight make_weight(WFormat fmt, int64_t N, int64_t K, std::mt19937_64& rng, int block = 32) {
   Weight w;
   w.h = twin::random_matrix(fmt, N, K, block, rng);
-  w.d = upload(w.h.q);
+  w.d = upload_matrix(w.h.q);
   return w;
 }
 
@@ -152,11 +95,11 @@ void check_gemv(const Weight& W, int T, DType mode, DType xt, std::mt19937_64& r
   const bool qa8 = opts.qa8 && (fmt == WFormat::FP8_BLOCK || fmt == WFormat::MXFP4);
   std::vector<float> ref(static_cast<size_t>(T * N)), abs(static_cast<size_t>(T * N));
   twin::linear(x.data(), T, ldx, W.h.q, qa8, opts.qblock, G, mode == DType::BF16, ref.data(), N, abs.data());
-  DeviceBuffer dx = upload_acts(x, xt);
+  DeviceBuffer dx = upload_act(x, xt);
   DeviceBuffer dy(static_cast<size_t>(T * N) * cuda::dtype_size(yt));
   cuda::gemv(W.d.q, xt, dx.get(), ldx, T, yt, dy.get(), N, opts, nullptr);
   DSX_CUDA_CHECK(cudaDeviceSynchronize());
-  std::vector<float> got = download_acts(dy, static_cast<size_t>(T * N), yt);
+  std::vector<float> got = download_act(dy, static_cast<size_t>(T * N), yt);
   expect_close(got, ref, abs, kSumTol, mode == DType::BF16 ? kBf16Ulp : 0.0, "gemv");
 }
 
@@ -195,7 +138,7 @@ TEST(CudaQuant, Qa8CodesBitExact) {
           std::vector<float> ref_s(static_cast<size_t>(rows * K / block));
           for (int64_t r = 0; r < rows; ++r)
             cpu::qa8_codes(x.data() + r * K, K, block, ref_c.data() + r * K, ref_s.data() + r * (K / block));
-          DeviceBuffer dx = upload_acts(x, xt);
+          DeviceBuffer dx = upload_act(x, xt);
           DeviceBuffer dc(ref_c.size()), ds(ref_s.size() * 4);
           cuda::qa8_codes(xt, dx.get(), K, rows, K, block, dc.as<uint8_t>(), ds.as<float>(), nullptr);
           std::vector<uint8_t> got_c(ref_c.size());
@@ -210,7 +153,7 @@ TEST(CudaQuant, Qa8CodesBitExact) {
           for (DType yt : {DType::F32, DType::BF16}) {
             DeviceBuffer dy(static_cast<size_t>(rows * K) * cuda::dtype_size(yt));
             cuda::qa8_fake(xt, dx.get(), K, rows, K, block, yt, dy.get(), K, nullptr);
-            std::vector<float> got = download_acts(dy, static_cast<size_t>(rows * K), yt);
+            std::vector<float> got = download_act(dy, static_cast<size_t>(rows * K), yt);
             for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], ref_v[i]) << "fake " << i;
           }
         }
@@ -221,11 +164,11 @@ TEST(CudaQuant, Qa8StridedAndConvert) {
   std::mt19937_64 rng(7);
   const int64_t rows = 5, K = 256, ld = 320;
   std::vector<float> x = twin::random_acts(rows, ld, rng, false);
-  DeviceBuffer dx = upload_acts(x, DType::F32);
+  DeviceBuffer dx = upload_act(x, DType::F32);
   DeviceBuffer dy(static_cast<size_t>(rows * ld) * 4);
   dy.zero();
   cuda::qa8_fake(DType::F32, dx.get(), ld, rows, K, 32, DType::F32, dy.get(), ld, nullptr);
-  std::vector<float> got = download_acts(dy, static_cast<size_t>(rows * ld), DType::F32);
+  std::vector<float> got = download_act(dy, static_cast<size_t>(rows * ld), DType::F32);
   for (int64_t r = 0; r < rows; ++r) {
     std::vector<float> ref(x.begin() + r * ld, x.begin() + r * ld + K);
     cpu::qa8_inplace(ref.data(), K, 32);
@@ -235,7 +178,7 @@ TEST(CudaQuant, Qa8StridedAndConvert) {
   DeviceBuffer db(static_cast<size_t>(rows * ld) * 2), dz(static_cast<size_t>(rows * ld) * 4);
   cuda::convert(DType::F32, dx.get(), DType::BF16, db.get(), rows * ld, nullptr);
   cuda::convert(DType::BF16, db.get(), DType::F32, dz.get(), rows * ld, nullptr);
-  std::vector<float> z = download_acts(dz, static_cast<size_t>(rows * ld), DType::F32);
+  std::vector<float> z = download_act(dz, static_cast<size_t>(rows * ld), DType::F32);
   for (size_t i = 0; i < z.size(); ++i) ASSERT_EQ(z[i], round_bf16(x[i])) << i;
 }
 
@@ -331,8 +274,8 @@ TEST(CudaGemv, SplitKWorkspace) {
       std::vector<float> x = twin::random_acts(T, c.K, rng, false);
       std::vector<float> ref(static_cast<size_t>(T * c.N)), abs(ref.size());
       twin::linear(x.data(), T, c.K, W.q, true, 32, 1, false, ref.data(), c.N, abs.data());
-      DevMatrix dW = upload(W.q);
-      DeviceBuffer dx = upload_acts(x, DType::F32), dy(ref.size() * 4), dy2(ref.size() * 4);
+      DevMatrix dW = upload_matrix(W.q);
+      DeviceBuffer dx = upload_act(x, DType::F32), dy(ref.size() * 4), dy2(ref.size() * 4);
       cuda::GemvOpts o;
       const size_t wsb = cuda::gemv_split_ws_bytes(dW.q, T, o);
       EXPECT_GT(wsb, 0u) << "expected a K split for this shape";
@@ -342,13 +285,13 @@ TEST(CudaGemv, SplitKWorkspace) {
       cuda::gemv(dW.q, DType::F32, dx.get(), c.K, T, DType::F32, dy.get(), c.N, o, nullptr);
       cuda::gemv(dW.q, DType::F32, dx.get(), c.K, T, DType::F32, dy2.get(), c.N, cuda::GemvOpts{}, nullptr);
       DSX_CUDA_CHECK(cudaDeviceSynchronize());
-      std::vector<float> got = download_acts(dy, ref.size(), DType::F32);
-      std::vector<float> got2 = download_acts(dy2, ref.size(), DType::F32);
+      std::vector<float> got = download_act(dy, ref.size(), DType::F32);
+      std::vector<float> got2 = download_act(dy2, ref.size(), DType::F32);
       expect_close(got, ref, abs, kSumTol, 0.0, "split-K");
       expect_close(got2, ref, abs, kSumTol, 0.0, "no split");
       // deterministic: the same call again gives identical bits
       cuda::gemv(dW.q, DType::F32, dx.get(), c.K, T, DType::F32, dy2.get(), c.N, o, nullptr);
-      std::vector<float> again = download_acts(dy2, ref.size(), DType::F32);
+      std::vector<float> again = download_act(dy2, ref.size(), DType::F32);
       for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(f32_bits(again[i]), f32_bits(got[i])) << i;
     }
 }
@@ -365,11 +308,11 @@ TEST(CudaGemv, StridesAndSubnormalCodes) {
   std::vector<float> x = twin::random_acts(T, ldx, rng, false, -20, 12);
   std::vector<float> ref(static_cast<size_t>(T * ldy), 0.0f), abs(ref.size(), 0.0f);
   twin::linear(x.data(), T, ldx, W.q, true, 32, 1, false, ref.data(), ldy, abs.data());
-  DevMatrix dW = upload(W.q);
-  DeviceBuffer dx = upload_acts(x, DType::F32), dy(ref.size() * 4);
+  DevMatrix dW = upload_matrix(W.q);
+  DeviceBuffer dx = upload_act(x, DType::F32), dy(ref.size() * 4);
   dy.zero();
   cuda::gemv(dW.q, DType::F32, dx.get(), ldx, T, DType::F32, dy.get(), ldy, cuda::GemvOpts{}, nullptr);
-  std::vector<float> got = download_acts(dy, ref.size(), DType::F32);
+  std::vector<float> got = download_act(dy, ref.size(), DType::F32);
   expect_close(got, ref, abs, kSumTol, 0.0, "strided");  // columns >= N stay 0 on both sides
 }
 
@@ -396,18 +339,18 @@ TEST(CudaGemv, TensorCorePathStridesAndRanges) {
     std::vector<float> x = twin::random_acts(c.T, ldx, rng, true, -20, 12);
     std::vector<float> ref(static_cast<size_t>(c.T * ldy), 0.0f), abs(ref.size(), 0.0f);
     twin::linear(x.data(), c.T, ldx, W.q, true, 32, 1, true, ref.data(), ldy, abs.data());
-    DevMatrix dW = upload(W.q);
-    DeviceBuffer dx = upload_acts(x, DType::BF16), dy(ref.size() * 2);
+    DevMatrix dW = upload_matrix(W.q);
+    DeviceBuffer dx = upload_act(x, DType::BF16), dy(ref.size() * 2);
     dy.zero();
     cuda::gemv(dW.q, DType::BF16, dx.get(), ldx, c.T, DType::BF16, dy.get(), ldy, cuda::GemvOpts{}, nullptr);
     DSX_CUDA_CHECK(cudaDeviceSynchronize());
-    std::vector<float> got = download_acts(dy, ref.size(), DType::BF16);
+    std::vector<float> got = download_act(dy, ref.size(), DType::BF16);
     expect_close(got, ref, abs, kSumTol, kBf16Ulp, "tensor-core path");
     // deterministic
     DeviceBuffer dy2(ref.size() * 2);
     dy2.zero();
     cuda::gemv(dW.q, DType::BF16, dx.get(), ldx, c.T, DType::BF16, dy2.get(), ldy, cuda::GemvOpts{}, nullptr);
-    std::vector<float> again = download_acts(dy2, ref.size(), DType::BF16);
+    std::vector<float> again = download_act(dy2, ref.size(), DType::BF16);
     for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(f32_bits(again[i]), f32_bits(got[i])) << i;
   }
 }
@@ -429,11 +372,11 @@ TEST(CudaGemm, DequantExact) {
     twin::OwnedMatrix W = twin::random_matrix(c.f, c.N, c.K, c.block, rng);
     std::vector<float> ref(static_cast<size_t>(c.N * c.K));
     W.q.dequant_rows(0, c.N, ref.data());
-    DevMatrix dW = upload(W.q);
+    DevMatrix dW = upload_matrix(W.q);
     for (DType out : {DType::F32, DType::BF16}) {
       DeviceBuffer d(ref.size() * cuda::dtype_size(out));
       cuda::dequant(dW.q, out, d.get(), nullptr);
-      std::vector<float> got = download_acts(d, ref.size(), out);
+      std::vector<float> got = download_act(d, ref.size(), out);
       for (size_t i = 0; i < ref.size(); ++i) {
         const float r = (out == DType::BF16) ? round_bf16(ref[i]) : ref[i];
         if (out == DType::BF16 && c.f != WFormat::F32) ASSERT_EQ(r, ref[i]) << "not bf16-exact?";
@@ -461,14 +404,14 @@ TEST(CudaGemm, LinearMatchesTwin) {
         std::vector<float> x = twin::random_acts(T, c.K, rng, mode == DType::BF16);
         std::vector<float> ref(static_cast<size_t>(T * c.N)), abs(ref.size());
         twin::linear(x.data(), T, c.K, W.q, true, 32, 1, mode == DType::BF16, ref.data(), c.N, abs.data());
-        DevMatrix dW = upload(W.q);
-        DeviceBuffer dx = upload_acts(x, mode), dy(ref.size() * cuda::dtype_size(mode));
+        DevMatrix dW = upload_matrix(W.q);
+        DeviceBuffer dx = upload_act(x, mode), dy(ref.size() * cuda::dtype_size(mode));
         cuda::GemmOpts o;
         o.compute = mode;
         DeviceBuffer ws(cuda::gemm_ws_bytes(dW.q, T, o));
         cuda::gemm(dW.q, mode, dx.get(), c.K, T, mode, dy.get(), c.N, o, ws.get(), ws.size(), nullptr);
         DSX_CUDA_CHECK(cudaDeviceSynchronize());
-        std::vector<float> got = download_acts(dy, ref.size(), mode);
+        std::vector<float> got = download_act(dy, ref.size(), mode);
         // tensor-core bf16 products are exact; allow a little more for their f32 accumulation
         expect_close(got, ref, abs, mode == DType::BF16 ? 5e-5 : kSumTol, mode == DType::BF16 ? kBf16Ulp : 0.0,
                      "gemm");
@@ -486,8 +429,8 @@ TEST(CudaGemm, GroupedAndMixedTypes) {
     std::vector<float> x = twin::random_acts(T, G * K, rng, mode == DType::BF16);
     std::vector<float> ref(static_cast<size_t>(T * N)), abs(ref.size());
     twin::linear(x.data(), T, G * K, W.q, false, 32, G, mode == DType::BF16, ref.data(), N, abs.data());
-    DevMatrix dW = upload(W.q);
-    DeviceBuffer dx = upload_acts(x, mode), dy(ref.size() * cuda::dtype_size(mode));
+    DevMatrix dW = upload_matrix(W.q);
+    DeviceBuffer dx = upload_act(x, mode), dy(ref.size() * cuda::dtype_size(mode));
     cuda::GemmOpts o;
     o.qa8 = false;
     o.groups = G;
@@ -495,7 +438,7 @@ TEST(CudaGemm, GroupedAndMixedTypes) {
     DeviceBuffer ws(cuda::gemm_ws_bytes(dW.q, static_cast<int>(T), o));
     cuda::gemm(dW.q, mode, dx.get(), G * K, static_cast<int>(T), mode, dy.get(), N, o, ws.get(), ws.size(), nullptr);
     DSX_CUDA_CHECK(cudaDeviceSynchronize());
-    std::vector<float> got = download_acts(dy, ref.size(), mode);
+    std::vector<float> got = download_act(dy, ref.size(), mode);
     expect_close(got, ref, abs, mode == DType::BF16 ? 5e-5 : kSumTol, mode == DType::BF16 ? kBf16Ulp : 0.0,
                  "grouped gemm");
   }
@@ -506,14 +449,14 @@ TEST(CudaGemm, GroupedAndMixedTypes) {
     std::vector<float> x = twin::random_acts(T, K, rng, false);
     std::vector<float> ref(static_cast<size_t>(T * N)), abs(ref.size());
     twin::linear(x.data(), T, K, W.q, false, 32, 1, true, ref.data(), N, abs.data());
-    DevMatrix dW = upload(W.q);
-    DeviceBuffer dx = upload_acts(x, DType::F32), dy(ref.size() * 2);
+    DevMatrix dW = upload_matrix(W.q);
+    DeviceBuffer dx = upload_act(x, DType::F32), dy(ref.size() * 2);
     cuda::GemmOpts o;
     EXPECT_EQ(cuda::gemm_compute_type(dW.q, DType::F32, o), DType::F32);
     DeviceBuffer ws(cuda::gemm_ws_bytes(dW.q, static_cast<int>(T), o));
     cuda::gemm(dW.q, DType::F32, dx.get(), K, static_cast<int>(T), DType::BF16, dy.get(), N, o, ws.get(), ws.size(),
                nullptr);
-    std::vector<float> got = download_acts(dy, ref.size(), DType::BF16);
+    std::vector<float> got = download_act(dy, ref.size(), DType::BF16);
     expect_close(got, ref, abs, kSumTol, kBf16Ulp, "f32 fallback");
   }
 }
@@ -534,8 +477,8 @@ void run_router_case(int64_t E, int64_t D, int topk, int T, bool with_bias, DTyp
   std::vector<float> z(static_cast<size_t>(T * E)), abs(z.size());
   twin::linear(x.data(), T, D, G.q, false, 32, 1, false, z.data(), E, abs.data());
 
-  DevMatrix dG = upload(G.q);
-  DeviceBuffer dx = upload_acts(x, xt), db(bias.size() * 4), dz(z.size() * 4), di(static_cast<size_t>(T * topk) * 4),
+  DevMatrix dG = upload_matrix(G.q);
+  DeviceBuffer dx = upload_act(x, xt), db(bias.size() * 4), dz(z.size() * 4), di(static_cast<size_t>(T * topk) * 4),
       dw(static_cast<size_t>(T * topk) * 4);
   db.upload(bias.data(), bias.size() * 4);
   cuda::router(xt, dx.get(), D, T, dG.q, with_bias ? db.as<float>() : nullptr, topk, ro, dz.as<float>(),

@@ -23,6 +23,7 @@
 #include <random>
 #include <vector>
 
+#include "cuda_test_util.h"
 #include "kernels/cpu/twin_linear.h"
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/moe.h"
@@ -36,66 +37,10 @@ namespace twin = dsx::cpu::twin;
 
 namespace {
 
-#define SKIP_WITHOUT_GPU() \
-  if (!dsx::cuda::device_available()) GTEST_SKIP() << "no CUDA device"
-
-int64_t data_bytes(const QMatrix& W) {
-  switch (W.fmt) {
-    case WFormat::F32: return W.rows * W.cols * 4;
-    case WFormat::BF16: return W.rows * W.cols * 2;
-    case WFormat::FP8_BLOCK: return W.rows * W.cols;
-    case WFormat::MXFP4: return W.rows * W.cols / 2;
-  }
-  return 0;
-}
-int64_t scale_bytes(const QMatrix& W) {
-  if (W.fmt == WFormat::FP8_BLOCK) return ((W.rows + W.block - 1) / W.block) * ((W.cols + W.block - 1) / W.block);
-  if (W.fmt == WFormat::MXFP4) return W.rows * (W.cols / 32);
-  return 0;
-}
-
-struct DevMatrix {
-  DeviceBuffer data, scale;
-  QMatrix q;
-};
-DevMatrix upload(const QMatrix& h) {
-  DevMatrix d;
-  d.q = h;
-  d.data.alloc(static_cast<size_t>(data_bytes(h)));
-  d.data.upload(h.data, d.data.size());
-  d.q.data = d.data.as<uint8_t>();
-  d.q.scale = nullptr;
-  if (scale_bytes(h) > 0) {
-    d.scale.alloc(static_cast<size_t>(scale_bytes(h)));
-    d.scale.upload(h.scale, d.scale.size());
-    d.q.scale = d.scale.as<uint8_t>();
-  }
-  return d;
-}
-
-DeviceBuffer upload_acts(const std::vector<float>& x, DType t) {
-  DeviceBuffer b(x.size() * cuda::dtype_size(t));
-  if (t == DType::F32) {
-    b.upload(x.data(), x.size() * 4);
-  } else {
-    std::vector<uint16_t> h(x.size());
-    for (size_t i = 0; i < x.size(); ++i) h[i] = f32_to_bf16(x[i]);
-    b.upload(h.data(), h.size() * 2);
-  }
-  return b;
-}
-
-std::vector<float> download_acts(const DeviceBuffer& b, size_t n, DType t) {
-  std::vector<float> v(n);
-  if (t == DType::F32) {
-    b.download(v.data(), n * 4);
-  } else {
-    std::vector<uint16_t> h(n);
-    b.download(h.data(), n * 2);
-    for (size_t i = 0; i < n; ++i) v[i] = bf16_to_f32(h[i]);
-  }
-  return v;
-}
+using dsx_test::DevMatrix;
+using dsx_test::download_act;
+using dsx_test::upload_act;
+using dsx_test::upload_matrix;
 
 constexpr double kSumTol = 2e-5;
 constexpr double kBf16Ulp = 1.0 / 128.0;
@@ -170,9 +115,9 @@ std::unique_ptr<MoeSetup> make_moe(int E, int64_t D, int64_t I, bool shared, int
     m->w2.push_back(twin::random_matrix(WFormat::MXFP4, D, I, 32, rng));
   }
   for (int e = 0; e < E; ++e) {
-    m->d1.push_back(upload(m->w1[static_cast<size_t>(e)].q));
-    m->d3.push_back(upload(m->w3[static_cast<size_t>(e)].q));
-    m->d2.push_back(upload(m->w2[static_cast<size_t>(e)].q));
+    m->d1.push_back(upload_matrix(m->w1[static_cast<size_t>(e)].q));
+    m->d3.push_back(upload_matrix(m->w3[static_cast<size_t>(e)].q));
+    m->d2.push_back(upload_matrix(m->w2[static_cast<size_t>(e)].q));
     ptr[0].push_back(m->d1.back().q.data);
     ptr[1].push_back(m->d1.back().q.scale);
     ptr[2].push_back(m->d3.back().q.data);
@@ -205,9 +150,9 @@ std::unique_ptr<MoeSetup> make_moe(int E, int64_t D, int64_t I, bool shared, int
     m->sw1 = twin::random_matrix(WFormat::FP8_BLOCK, I, D, tile, rng, up8);
     m->sw3 = twin::random_matrix(WFormat::FP8_BLOCK, I, D, tile, rng, up8);
     m->sw2 = twin::random_matrix(WFormat::FP8_BLOCK, D, I, tile, rng);
-    m->ds1 = upload(m->sw1.q);
-    m->ds3 = upload(m->sw3.q);
-    m->ds2 = upload(m->sw2.q);
+    m->ds1 = upload_matrix(m->sw1.q);
+    m->ds3 = upload_matrix(m->sw3.q);
+    m->ds2 = upload_matrix(m->sw2.q);
     L.shared_w1 = m->ds1.q;
     L.shared_w3 = m->ds3.q;
     L.shared_w2 = m->ds2.q;
@@ -249,7 +194,7 @@ DecodeResult run_decode(const MoeSetup& m, const std::vector<float>& x, int T, i
                         const std::vector<float>& w, DType mode, const int32_t* dev_ids = nullptr,
                         const float* dev_w = nullptr) {
   const int S = topk + (m.layer.shared_w1.data ? 1 : 0);
-  DeviceBuffer dx = upload_acts(x, mode), dy(static_cast<size_t>(T * m.D) * cuda::dtype_size(mode));
+  DeviceBuffer dx = upload_act(x, mode), dy(static_cast<size_t>(T * m.D) * cuda::dtype_size(mode));
   DeviceBuffer di(ids.size() * 4), dw(w.size() * 4);
   if (!dev_ids) {
     di.upload(ids.data(), ids.size() * 4);
@@ -262,7 +207,7 @@ DecodeResult run_decode(const MoeSetup& m, const std::vector<float>& x, int T, i
   cuda::moe_decode(m.layer, mode, dx.get(), m.D, T, topk, dev_ids, dev_w, mode, dy.get(), m.D, ws.get(), wsb, nullptr);
   DSX_CUDA_CHECK(cudaDeviceSynchronize());
   DecodeResult r;
-  r.y = download_acts(dy, static_cast<size_t>(T * m.D), mode);
+  r.y = download_act(dy, static_cast<size_t>(T * m.D), mode);
   r.hq.resize(static_cast<size_t>(T) * S * m.I);
   ws.download(r.hq.data(), r.hq.size() * 4);
   return r;
@@ -270,7 +215,7 @@ DecodeResult run_decode(const MoeSetup& m, const std::vector<float>& x, int T, i
 
 std::vector<float> run_prefill(const MoeSetup& m, const std::vector<float>& x, int T, int topk,
                                const std::vector<int32_t>& ids, const std::vector<float>& w, DType mode, int gmin) {
-  DeviceBuffer dx = upload_acts(x, mode), dy(static_cast<size_t>(T * m.D) * cuda::dtype_size(mode));
+  DeviceBuffer dx = upload_act(x, mode), dy(static_cast<size_t>(T * m.D) * cuda::dtype_size(mode));
   DeviceBuffer di(ids.size() * 4), dw(w.size() * 4);
   di.upload(ids.data(), ids.size() * 4);
   dw.upload(w.data(), w.size() * 4);
@@ -281,7 +226,7 @@ std::vector<float> run_prefill(const MoeSetup& m, const std::vector<float>& x, i
   cuda::moe_prefill(m.layer, mode, dx.get(), m.D, T, topk, di.as<int32_t>(), dw.as<float>(), mode, dy.get(), m.D,
                     ws.get(), wsb, nullptr, o);
   DSX_CUDA_CHECK(cudaDeviceSynchronize());
-  return download_acts(dy, static_cast<size_t>(T * m.D), mode);
+  return download_act(dy, static_cast<size_t>(T * m.D), mode);
 }
 
 // Decode against the twin, both stages.
@@ -383,14 +328,14 @@ TEST(CudaMoe, RouterFeedsDecode) {
   twin::RandomSpec gs;
   gs.sigma = 0.02f;
   twin::OwnedMatrix gate = twin::random_matrix(WFormat::BF16, E, D, 32, rng, gs);
-  DevMatrix dg = upload(gate.q);
+  DevMatrix dg = upload_matrix(gate.q);
   std::vector<float> bias(static_cast<size_t>(E), 0.01f);
   DeviceBuffer db(bias.size() * 4), dz(static_cast<size_t>(T * E) * 4), di(static_cast<size_t>(T * topk) * 4),
       dw(static_cast<size_t>(T * topk) * 4);
   db.upload(bias.data(), bias.size() * 4);
   for (DType mode : {DType::F32, DType::BF16}) {
     std::vector<float> x = twin::random_acts(T, D, rng, mode == DType::BF16, -2, 1);
-    DeviceBuffer dx = upload_acts(x, mode);
+    DeviceBuffer dx = upload_act(x, mode);
     cuda::router(mode, dx.get(), D, T, dg.q, db.as<float>(), topk, cuda::RouterOpts{}, dz.as<float>(),
                  di.as<int32_t>(), dw.as<float>(), nullptr);
     std::vector<int32_t> ids(static_cast<size_t>(T * topk));

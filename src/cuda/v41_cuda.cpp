@@ -183,26 +183,25 @@ struct Uploader {
   }
   QMatrix matrix(const QMatrix& h) {
     QMatrix d = h;
-    const int64_t N = h.rows, K = h.cols;
+    const int64_t K = h.cols;
     switch (h.fmt) {
       case WFormat::F32:
-        d.data = static_cast<const uint8_t*>(place(h.data, static_cast<size_t>(N * K * 4), 4, 0.02f));
+        d.data = static_cast<const uint8_t*>(place(h.data, static_cast<size_t>(h.data_bytes()), 4, 0.02f));
         break;
       case WFormat::BF16:
-        d.data = static_cast<const uint8_t*>(place(h.data, static_cast<size_t>(N * K * 2), 3, 1.0f / std::sqrt(float(K))));
+        d.data = static_cast<const uint8_t*>(place(h.data, static_cast<size_t>(h.data_bytes()), 3, 1.0f / std::sqrt(float(K))));
         break;
       case WFormat::FP8_BLOCK: {
         // synthetic: codes have std ~64, scales 2^-(6 + log2 sqrt K) give weights of std ~K^-1/2
-        const int64_t B = h.block;
         const int center = 127 - 6 - static_cast<int>(std::lround(0.5 * std::log2(static_cast<double>(K))));
-        d.data = static_cast<const uint8_t*>(place(h.data, static_cast<size_t>(N * K), 0));
-        d.scale = static_cast<const uint8_t*>(place(h.scale, static_cast<size_t>(((N + B - 1) / B) * ((K + B - 1) / B)), 2, 0, 0, center));
+        d.data = static_cast<const uint8_t*>(place(h.data, static_cast<size_t>(h.data_bytes()), 0));
+        d.scale = static_cast<const uint8_t*>(place(h.scale, static_cast<size_t>(h.scale_bytes()), 2, 0, 0, center));
         break;
       }
       case WFormat::MXFP4: {
         const int center = 127 - 1 - static_cast<int>(std::lround(0.5 * std::log2(static_cast<double>(K))));
-        d.data = static_cast<const uint8_t*>(place(h.data, static_cast<size_t>(N * K / 2), 1));
-        d.scale = static_cast<const uint8_t*>(place(h.scale, static_cast<size_t>(N * (K / 32)), 2, 0, 0, center));
+        d.data = static_cast<const uint8_t*>(place(h.data, static_cast<size_t>(h.data_bytes()), 1));
+        d.scale = static_cast<const uint8_t*>(place(h.scale, static_cast<size_t>(h.scale_bytes()), 2, 0, 0, center));
         break;
       }
     }

@@ -11,12 +11,22 @@
 
 namespace dsx {
 
-int64_t QMatrix::bytes() const {
+int64_t QMatrix::data_bytes() const {
   switch (fmt) {
     case WFormat::F32: return rows * cols * 4;
     case WFormat::BF16: return rows * cols * 2;
-    case WFormat::FP8_BLOCK: return rows * cols + ((rows + block - 1) / block) * scale_cols();
-    case WFormat::MXFP4: return rows * cols / 2 + rows * (cols / 32);
+    case WFormat::FP8_BLOCK: return rows * cols;
+    case WFormat::MXFP4: return rows * cols / 2;
+  }
+  return 0;
+}
+
+int64_t QMatrix::scale_bytes() const {
+  switch (fmt) {
+    case WFormat::F32:
+    case WFormat::BF16: return 0;
+    case WFormat::FP8_BLOCK: return ((rows + block - 1) / block) * scale_cols();
+    case WFormat::MXFP4: return rows * (cols / 32);
   }
   return 0;
 }

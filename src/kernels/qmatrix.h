@@ -24,8 +24,10 @@ struct QMatrix {
 
   bool valid() const { return data != nullptr; }
   int64_t scale_cols() const { return (cols + block - 1) / block; }
-  // Stored bytes of data + scales.
-  int64_t bytes() const;
+  // Stored bytes of the data, of the scales (0 for F32 / BF16), and of both.
+  int64_t data_bytes() const;
+  int64_t scale_bytes() const;
+  int64_t bytes() const { return data_bytes() + scale_bytes(); }
   // Dequantize rows [r0, r1) into out[(r1 - r0) * cols] (f32, exact).
   void dequant_rows(int64_t r0, int64_t r1, float* out) const;
 };

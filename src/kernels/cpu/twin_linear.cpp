@@ -16,23 +16,13 @@ namespace dsx::cpu::twin {
 namespace {
 bool quantized(const QMatrix& W) { return W.fmt == WFormat::FP8_BLOCK || W.fmt == WFormat::MXFP4; }
 
-int64_t data_bytes(const QMatrix& W) {
-  switch (W.fmt) {
-    case WFormat::F32: return W.rows * W.cols * 4;
-    case WFormat::BF16: return W.rows * W.cols * 2;
-    case WFormat::FP8_BLOCK: return W.rows * W.cols;
-    case WFormat::MXFP4: return W.rows * W.cols / 2;
-  }
-  return 0;
-}
-
 void round_all(float* v, int64_t n) {
   for (int64_t i = 0; i < n; ++i) v[i] = ::dsx::round_bf16(v[i]);
 }
 }  // namespace
 
 QMatrix abs_matrix(const QMatrix& W, std::vector<uint8_t>& storage) {
-  const int64_t n = data_bytes(W);
+  const int64_t n = W.data_bytes();
   storage.assign(W.data, W.data + n);
   switch (W.fmt) {
     case WFormat::F32:
