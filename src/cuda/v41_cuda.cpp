@@ -41,24 +41,19 @@ using namespace dsx::cuda;
 
 namespace {
 
-constexpr int kGemvMaxT = 16;
+constexpr int kGemvMaxT = 16;  // up to this many rows use the weight-streaming GEMV
 
 // DSX_HC_BRANCH=0 keeps the hc_mix coefficients on the session stream
 bool hc_off_branch() {
-  static const bool v = [] {
-    const char* e = std::getenv("DSX_HC_BRANCH");
-    return e && *e && std::atoi(e) == 0;
-  }();
+  static const bool v = env_int("DSX_HC_BRANCH", 1) == 0;
   return v;
 }
 
+// DSX_ATTN_MMA=0: CUDA-core attention in BF16 mode
 bool attn_mma_enabled() {
-  static const bool v = [] {
-    const char* e = std::getenv("DSX_ATTN_MMA");
-    return !(e && *e && std::atoi(e) == 0);
-  }();
+  static const bool v = env_int("DSX_ATTN_MMA", 1) != 0;
   return v;
-}  // up to this many rows use the weight-streaming GEMV
+}
 
 // ---------------------------------------------------------------------------
 // Device arena: one allocation holding many tensors (256-byte aligned).
@@ -549,8 +544,7 @@ CudaSession::CudaSession(const DeviceModel& m, const EngineOptions& o)
   // 2048: the routed experts' weights are streamed once per chunk, so larger chunks
   // prefill faster (H200, 8 synthetic layers: 1296 / 1938 / 2620 tok/s at 256 / 1024 /
   // 2048); the session's scratch grows with it (logits and index scores per token).
-  tmax_ = 2048;
-  if (const char* e = std::getenv("DSX_PREFILL_CHUNK"); e && *e) tmax_ = std::clamp(std::atoi(e), 64, 4096);
+  tmax_ = std::clamp(env_int("DSX_PREFILL_CHUNK", 2048), 64, 4096);
   const int64_t D = c_.hidden, M = c_.hc_mult, H = c_.n_heads, hd = c_.head_dim, ql = c_.q_lora_rank;
   const int64_t G = c_.o_groups, ol = c_.o_lora_rank, E = c_.n_routed_experts, K = c_.n_experts_per_tok;
   const int64_t ih = c_.index_n_heads, ihd = c_.index_head_dim, V = c_.vocab_size;

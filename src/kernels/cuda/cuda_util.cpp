@@ -1,5 +1,7 @@
 #include "kernels/cuda/cuda_util.h"
 
+#include <cstdlib>
+
 namespace dsx::cuda {
 
 bool device_available() {
@@ -10,6 +12,11 @@ bool device_available() {
     if (!cached) cudaGetLastError();  // clear the sticky error of a failed query
   }
   return cached == 1;
+}
+
+int env_int(const char* name, int dflt) {
+  const char* v = std::getenv(name);
+  return (v && *v) ? std::atoi(v) : dflt;
 }
 
 void DeviceBuffer::alloc(size_t bytes) {

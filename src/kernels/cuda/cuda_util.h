@@ -24,6 +24,10 @@ namespace dsx::cuda {
 // True when a CUDA device is present and usable (tests skip otherwise).
 bool device_available();
 
+// Integer value of the environment variable `name` (a runtime switch such as DSX_PDL),
+// dflt when it is unset or empty. Callers read a switch once and cache it.
+int env_int(const char* name, int dflt);
+
 // Owning device allocation (cudaMalloc), movable.
 class DeviceBuffer {
  public:

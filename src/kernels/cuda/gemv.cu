@@ -1,7 +1,6 @@
 #include "kernels/cuda/gemv.h"
 
 #include <algorithm>
-#include <cstdlib>
 
 #include "kernels/cuda/gemv_device.cuh"
 #include "kernels/cuda/gemv_launch.h"
@@ -265,17 +264,12 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_mma_kernel(const MmaParams p
   }
 }
 
+}  // namespace
+
 // Runtime switches (read once): DSX_GEMV_MMA = 0 (off), 1 (BF16 mode, default), 2 (also
 // F32 mode); DSX_MMA_CVT = 1 uses the hardware e4m3 -> f16 conversion for FP8 weights;
 // DSX_PDL = 0 launches without programmatic dependent launch (default: with);
 // DSX_MMA_U = 4 / 8 forces the spans in flight per lane (default: per shape).
-int env_int(const char* name, int dflt) {
-  const char* v = std::getenv(name);
-  return (v && *v) ? std::atoi(v) : dflt;
-}
-
-}  // namespace
-
 int gemv_mma_mode() {
   static const int v = env_int("DSX_GEMV_MMA", 1);
   return v;

@@ -20,7 +20,6 @@
 // partial sums are added in warp order (deterministic).
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 
 #include "kernels/cuda/gemv.h"
 #include "kernels/cuda/gemv_bulk.h"
@@ -282,20 +281,14 @@ bool launch_bulk(BulkParams p, cudaStream_t stream) {
 
 // DSX_BULK_COLS: bytes of each row per stage (512 or 1024, default 1024)
 int bulk_cols() {
-  static const int v = [] {
-    const char* e = std::getenv("DSX_BULK_COLS");
-    return (e && *e) ? std::atoi(e) : 1024;
-  }();
+  static const int v = env_int("DSX_BULK_COLS", 1024);
   return v;
 }
 
 }  // namespace
 
 bool gemv_bulk_enabled() {
-  static const bool v = [] {
-    const char* e = std::getenv("DSX_GEMV_BULK");  // opt-in: slower than gemv_mma so far
-    return e && *e && std::atoi(e) != 0;
-  }();
+  static const bool v = env_int("DSX_GEMV_BULK", 0) != 0;  // opt-in: slower than gemv_mma so far
   return v;
 }
 

@@ -220,8 +220,8 @@ bool launch_fmt(const StreamParams& p, int T, cudaStream_t stream) {
 // format it supports, 0 = off.
 int gemv_stream_mode() {
   static const int v = [] {
-    const char* e = std::getenv("DSX_GEMV_STREAM");
-    return (e && *e) ? (std::atoi(e) != 0 ? 1 : 0) : 2;
+    const int e = env_int("DSX_GEMV_STREAM", -1);
+    return e < 0 ? 2 : (e != 0 ? 1 : 0);
   }();
   return v;
 }

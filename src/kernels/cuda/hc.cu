@@ -30,10 +30,7 @@ static_assert(kHcMix % kNarrowWarps == 0 && kHcMix % (kFinishWarps - 1) == 0, "h
 // DSX_HC_OLD = 1: the previous launch structure (wide pass at every T, one-block
 // finish, no programmatic dependent launch), for comparisons on the GPU. Read once.
 bool hc_old() {
-  static const bool v = [] {
-    const char* e = std::getenv("DSX_HC_OLD");
-    return e && *e && std::atoi(e) != 0;
-  }();
+  static const bool v = env_int("DSX_HC_OLD", 0) != 0;
   return v;
 }
 

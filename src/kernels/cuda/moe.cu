@@ -1,7 +1,6 @@
 #include "kernels/cuda/moe.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <vector>
 
 #include "kernels/cuda/gemm.h"
@@ -25,10 +24,7 @@ constexpr int kDownRPW = 2;  // rows per warp unit of the down projection
 
 // DSX_MOE_UP_PERSIST=0: one block per up-projection tile also for one token
 bool moe_up_persistent() {
-  static const bool v = [] {
-    const char* e = std::getenv("DSX_MOE_UP_PERSIST");
-    return !(e && *e && std::atoi(e) == 0);
-  }();
+  static const bool v = env_int("DSX_MOE_UP_PERSIST", 1) != 0;
   return v;
 }
 

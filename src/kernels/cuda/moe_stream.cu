@@ -18,7 +18,7 @@
 //        before the up kernel let this one launch (every up block waits for the router
 //        before it triggers its dependents).
 #include <algorithm>
-#include <cstdlib>
+#include <cmath>
 
 #include "kernels/cuda/gemv_launch.h"
 #include "kernels/cuda/gemv_stream_device.cuh"
@@ -400,10 +400,7 @@ int fp8_shift(int block) {
 }  // namespace
 
 bool moe_stream_enabled() {
-  static const bool v = [] {
-    const char* e = std::getenv("DSX_MOE_STREAM");  // opt-in (see docs/gpu.md)
-    return e && *e && std::atoi(e) != 0;
-  }();
+  static const bool v = env_int("DSX_MOE_STREAM", 0) != 0;  // opt-in (see docs/gpu.md)
   return v;
 }
 
