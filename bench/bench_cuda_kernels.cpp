@@ -189,6 +189,57 @@ struct Copies {
   const QMatrix& at(int rep) const { return q[static_cast<size_t>(rep) % q.size()]; }
 };
 
+// The routed experts of one MoE layer as random device bytes (scale bytes set to a
+// realistic 121), with the per-expert pointer arrays MoeLayer takes, and copies of the
+// shared expert (FP8) totalling at least shared_min_total bytes each.
+struct RandomExperts {
+  int E;
+  int64_t D, I;
+  int64_t per_expert;  // bytes of one routed expert: w1, w3, w2 with their scales
+  DeviceBuffer experts, parr[6];
+  Copies s1, s3, s2;
+  RandomExperts(int E_, int64_t D_, int64_t I_, uint64_t seed, size_t shared_min_total)
+      : E(E_), D(D_), I(I_), per_expert(2 * (I_ * D_ / 2 + I_ * D_ / 32) + D_ * I_ / 2 + D_ * I_ / 32),
+        s1(WFormat::FP8_BLOCK, I_, D_, 32, shared_min_total), s3(WFormat::FP8_BLOCK, I_, D_, 32, shared_min_total),
+        s2(WFormat::FP8_BLOCK, D_, I_, 32, shared_min_total) {
+    const int64_t b13 = I * D / 2, s13 = I * D / 32, b2 = D * I / 2, sc2 = D * I / 32;
+    experts.alloc(static_cast<size_t>(per_expert * E));
+    fill_random(experts.get(), experts.size(), seed);
+    std::vector<const uint8_t*> p[6];
+    for (int e = 0; e < E; ++e) {
+      uint8_t* base = experts.as<uint8_t>() + static_cast<int64_t>(e) * per_expert;
+      const uint8_t* ptrs[6] = {base, base + b13, base + b13 + s13, base + 2 * b13 + s13, base + 2 * (b13 + s13),
+                                base + 2 * (b13 + s13) + b2};
+      for (int i = 0; i < 6; ++i) p[i].push_back(ptrs[i]);
+      fill_byte(base + b13, static_cast<size_t>(s13), 121);
+      fill_byte(base + 2 * b13 + s13, static_cast<size_t>(s13), 121);
+      fill_byte(base + 2 * (b13 + s13) + b2, static_cast<size_t>(sc2), 121);
+    }
+    for (int i = 0; i < 6; ++i) {
+      parr[i].alloc(static_cast<size_t>(E) * sizeof(void*));
+      parr[i].upload(p[i].data(), parr[i].size());
+    }
+  }
+  // The layer with shared-expert copy `rep`.
+  cuda::MoeLayer layer(int rep) const {
+    cuda::MoeLayer L;
+    L.n_experts = E;
+    L.hidden = D;
+    L.inter = I;
+    L.w1 = parr[0].as<const uint8_t*>();
+    L.w1_scale = parr[1].as<const uint8_t*>();
+    L.w3 = parr[2].as<const uint8_t*>();
+    L.w3_scale = parr[3].as<const uint8_t*>();
+    L.w2 = parr[4].as<const uint8_t*>();
+    L.w2_scale = parr[5].as<const uint8_t*>();
+    L.shared_w1 = s1.at(rep);
+    L.shared_w3 = s3.at(rep);
+    L.shared_w2 = s2.at(rep);
+    return L;
+  }
+  double shared_bytes() const { return static_cast<double>(s1.bytes + s3.bytes + s2.bytes); }
+};
+
 void bench_copy() {
   const size_t n = 1u << 30;
   DeviceBuffer a(n), b(n);
@@ -254,29 +305,7 @@ void bench_moe_decode(bool quick) {
   const int E = quick ? 64 : 384, topk = 6;
   const int64_t D = 5120, I = 2304;
   if (!selected("moe_decode (6 + shared)", "", g_only_T > 0 ? g_only_T : 1)) return;
-  const int64_t b13 = I * D / 2, s13 = I * D / 32, b2 = D * I / 2, s2 = D * I / 32;
-  const int64_t per_expert = b13 + s13 + b13 + s13 + b2 + s2;
-  DeviceBuffer experts(static_cast<size_t>(per_expert * E));
-  fill_random(experts.get(), experts.size(), 99);
-  // scales: realistic bytes
-  std::vector<const uint8_t*> p[6];
-  for (int e = 0; e < E; ++e) {
-    uint8_t* base = experts.as<uint8_t>() + static_cast<int64_t>(e) * per_expert;
-    p[0].push_back(base);
-    p[1].push_back(base + b13);
-    p[2].push_back(base + b13 + s13);
-    p[3].push_back(base + 2 * b13 + s13);
-    p[4].push_back(base + 2 * b13 + 2 * s13);
-    p[5].push_back(base + 2 * b13 + 2 * s13 + b2);
-    for (int i : {1, 3, 5}) fill_byte(const_cast<uint8_t*>(p[i].back()), static_cast<size_t>(i == 5 ? s2 : s13), 121);
-  }
-  DeviceBuffer parr[6];
-  for (int i = 0; i < 6; ++i) {
-    parr[i].alloc(static_cast<size_t>(E) * sizeof(void*));
-    parr[i].upload(p[i].data(), parr[i].size());
-  }
-  Copies s1(WFormat::FP8_BLOCK, I, D, 32, 256u << 20), s3(WFormat::FP8_BLOCK, I, D, 32, 256u << 20),
-      s2c(WFormat::FP8_BLOCK, D, I, 32, 256u << 20);
+  const RandomExperts ex(E, D, I, 99, 256u << 20);
   // routing: a fresh random set of experts per repetition
   const int nsets = 64;
   std::vector<int32_t> ids;
@@ -298,32 +327,18 @@ void bench_moe_decode(bool quick) {
   fill_byte(x.get(), x.size(), 0x3c);
   for (int T : {1, 2, 4}) {
     if (g_only_T > 0 && T != g_only_T) continue;
-    cuda::MoeLayer L;
-    L.n_experts = E;
-    L.hidden = D;
-    L.inter = I;
-    L.w1 = parr[0].as<const uint8_t*>();
-    L.w1_scale = parr[1].as<const uint8_t*>();
-    L.w3 = parr[2].as<const uint8_t*>();
-    L.w3_scale = parr[3].as<const uint8_t*>();
-    L.w2 = parr[4].as<const uint8_t*>();
-    L.w2_scale = parr[5].as<const uint8_t*>();
-    L.shared_w1 = s1.at(0);
-    L.shared_w3 = s3.at(0);
-    L.shared_w2 = s2c.at(0);
+    cuda::MoeLayer L = ex.layer(0);
     const size_t wsb = cuda::moe_decode_ws_bytes(L, T, topk);
     DeviceBuffer ws(wsb);
     const double us = time_us(
         [&](int r) {
-          L.shared_w1 = s1.at(r);
-          L.shared_w3 = s3.at(r);
-          L.shared_w2 = s2c.at(r);
+          L = ex.layer(r);
           const int set = (r * T) % (nsets - T);
           cuda::moe_decode(L, DType::BF16, x.get(), D, T, topk, dids.as<int32_t>() + set * topk,
                            dw.as<float>() + set * topk, DType::BF16, y.get(), D, ws.get(), wsb, g_stream);
         },
         true);
-    const double bytes = static_cast<double>(T) * topk * per_expert + s1.bytes + s3.bytes + s2c.bytes;
+    const double bytes = static_cast<double>(T) * topk * ex.per_expert + ex.shared_bytes();
     add_bw("moe_decode (6 + shared)", "E" + std::to_string(E) + " D5120 I2304", T, us, bytes);
   }
 }
@@ -339,36 +354,8 @@ void bench_decode_chain() {
   Copies wq_a(WFormat::FP8_BLOCK, 1280, D, 32, 1), wq_b(WFormat::FP8_BLOCK, 32768, 1280, 32, 1),
       wkv(WFormat::FP8_BLOCK, 512, D, 32, 1), wo_a(WFormat::FP8_BLOCK, 8192, 4096, 32, 1),
       wo_b(WFormat::FP8_BLOCK, D, 8192, 32, 1), gate(WFormat::BF16, 384, D, 32, 1);
-  Copies s1(WFormat::FP8_BLOCK, I, D, 32, 1), s3(WFormat::FP8_BLOCK, I, D, 32, 1), s2(WFormat::FP8_BLOCK, D, I, 32, 1);
-  const int64_t b13 = I * D / 2, s13 = I * D / 32, b2 = D * I / 2, sc2 = D * I / 32;
-  const int64_t per_expert = 2 * (b13 + s13) + b2 + sc2;
-  DeviceBuffer experts(static_cast<size_t>(per_expert * E));
-  fill_random(experts.get(), experts.size(), 77);
-  std::vector<const uint8_t*> p[6];
-  for (int e = 0; e < E; ++e) {
-    uint8_t* base = experts.as<uint8_t>() + static_cast<int64_t>(e) * per_expert;
-    const uint8_t* ptrs[6] = {base, base + b13, base + b13 + s13, base + 2 * b13 + s13, base + 2 * (b13 + s13),
-                              base + 2 * (b13 + s13) + b2};
-    for (int i = 0; i < 6; ++i) p[i].push_back(ptrs[i]);
-    fill_byte(base + b13, static_cast<size_t>(s13), 121);
-    fill_byte(base + 2 * b13 + s13, static_cast<size_t>(s13), 121);
-    fill_byte(base + 2 * (b13 + s13) + b2, static_cast<size_t>(sc2), 121);
-  }
-  DeviceBuffer parr[6];
-  for (int i = 0; i < 6; ++i) {
-    parr[i].alloc(static_cast<size_t>(E) * sizeof(void*));
-    parr[i].upload(p[i].data(), parr[i].size());
-  }
-  cuda::MoeLayer L;
-  L.n_experts = E;
-  L.hidden = D;
-  L.inter = I;
-  L.w1 = parr[0].as<const uint8_t*>();
-  L.w1_scale = parr[1].as<const uint8_t*>();
-  L.w3 = parr[2].as<const uint8_t*>();
-  L.w3_scale = parr[3].as<const uint8_t*>();
-  L.w2 = parr[4].as<const uint8_t*>();
-  L.w2_scale = parr[5].as<const uint8_t*>();
+  const RandomExperts ex(E, D, I, 77, 1);
+  cuda::MoeLayer L = ex.layer(0);
   DeviceBuffer a(static_cast<size_t>(D) * 4), q(32768 * 4), kv(512 * 4), o(32768 * 4), z(8192 * 4), yb(D * 4),
       bias(384 * 4), logits(384 * 4), ids(64 * 4), w(64 * 4), y2(D * 4);
   fill_byte(a.get(), a.size(), 0x3c);
@@ -376,9 +363,6 @@ void bench_decode_chain() {
   fill_byte(o.get(), o.size(), 0x3c);
   fill_byte(z.get(), z.size(), 0x3c);
   fill_byte(bias.get(), bias.size(), 0);
-  L.shared_w1 = s1.at(0);
-  L.shared_w3 = s3.at(0);
-  L.shared_w2 = s2.at(0);
   const size_t wsb = cuda::moe_decode_ws_bytes(L, 1, topk);
   DeviceBuffer ws(wsb);
   cuda::RouterOpts ro;
@@ -395,16 +379,13 @@ void bench_decode_chain() {
     cuda::gemv(wo_b.at(r), bf, z.get(), 8192, 1, bf, yb.get(), D, g, g_stream);
     cuda::router(bf, yb.get(), D, 1, gate.at(r), bias.as<float>(), topk, ro, logits.as<float>(), ids.as<int32_t>(),
                  w.as<float>(), g_stream);
-    L.shared_w1 = s1.at(r);
-    L.shared_w3 = s3.at(r);
-    L.shared_w2 = s2.at(r);
+    L = ex.layer(r);
     cuda::moe_decode(L, bf, yb.get(), D, 1, topk, ids.as<int32_t>(), w.as<float>(), bf, y2.get(), D, ws.get(), wsb,
                      g_stream);
   };
   const double us = time_us(layer, true);
-  const double bytes = static_cast<double>(wq_a.bytes + wq_b.bytes + wkv.bytes + wo_a.bytes + wo_b.bytes + gate.bytes +
-                                           s1.bytes + s3.bytes + s2.bytes) +
-                       topk * static_cast<double>(per_expert);
+  const double bytes = static_cast<double>(wq_a.bytes + wq_b.bytes + wkv.bytes + wo_a.bytes + wo_b.bytes + gate.bytes) +
+                       ex.shared_bytes() + topk * static_cast<double>(ex.per_expert);
   add_bw("decode chain (1 layer)", "7 weight stages", 1, us, bytes);
   std::printf("   weight bytes per layer %.1f MB; roofline at copy bw %.1f us\n", bytes / 1e6,
               g_copy_gbs > 0 ? bytes / (g_copy_gbs * 1e3) : 0.0);
@@ -436,39 +417,8 @@ void bench_gemm(const std::string& name, WFormat f, int64_t N, int64_t K, int T,
 void bench_moe_prefill(int T) {
   const int E = 384, topk = 6;
   const int64_t D = 5120, I = 2304;
-  const int64_t b13 = I * D / 2, s13 = I * D / 32, b2 = D * I / 2, s2 = D * I / 32;
-  const int64_t per_expert = 2 * (b13 + s13) + b2 + s2;
-  DeviceBuffer experts(static_cast<size_t>(per_expert * E));
-  fill_random(experts.get(), experts.size(), 7);
-  std::vector<const uint8_t*> p[6];
-  for (int e = 0; e < E; ++e) {
-    uint8_t* base = experts.as<uint8_t>() + static_cast<int64_t>(e) * per_expert;
-    const uint8_t* ptrs[6] = {base, base + b13, base + b13 + s13, base + 2 * b13 + s13, base + 2 * (b13 + s13),
-                              base + 2 * (b13 + s13) + b2};
-    for (int i = 0; i < 6; ++i) p[i].push_back(ptrs[i]);
-    fill_byte(base + b13, static_cast<size_t>(s13), 121);
-    fill_byte(base + 2 * b13 + s13, static_cast<size_t>(s13), 121);
-    fill_byte(base + 2 * (b13 + s13) + b2, static_cast<size_t>(s2), 121);
-  }
-  DeviceBuffer parr[6];
-  for (int i = 0; i < 6; ++i) {
-    parr[i].alloc(static_cast<size_t>(E) * sizeof(void*));
-    parr[i].upload(p[i].data(), parr[i].size());
-  }
-  Copies s1(WFormat::FP8_BLOCK, I, D, 32, 1u), s3(WFormat::FP8_BLOCK, I, D, 32, 1u), s2c(WFormat::FP8_BLOCK, D, I, 32, 1u);
-  cuda::MoeLayer L;
-  L.n_experts = E;
-  L.hidden = D;
-  L.inter = I;
-  L.w1 = parr[0].as<const uint8_t*>();
-  L.w1_scale = parr[1].as<const uint8_t*>();
-  L.w3 = parr[2].as<const uint8_t*>();
-  L.w3_scale = parr[3].as<const uint8_t*>();
-  L.w2 = parr[4].as<const uint8_t*>();
-  L.w2_scale = parr[5].as<const uint8_t*>();
-  L.shared_w1 = s1.at(0);
-  L.shared_w3 = s3.at(0);
-  L.shared_w2 = s2c.at(0);
+  const RandomExperts ex(E, D, I, 7, 1);
+  const cuda::MoeLayer L = ex.layer(0);
   std::vector<int32_t> ids;
   std::mt19937_64 rng(3);
   std::vector<int32_t> all(static_cast<size_t>(E));
