@@ -100,7 +100,6 @@ int cmd_bench(int argc, char** argv) {
     for (auto& x : ids) x = tok(rng);
     std::vector<float> wl(static_cast<size_t>(V));
     w->feed(ids.data(), static_cast<int64_t>(ids.size()), wl.data(), false);
-    w->feed(ids.data(), 1, wl.data(), false);
   }
   auto s = eng->new_session();
   std::printf("# session state: %.3f GB allocated for up to %lld tokens\n", s->state_bytes() / 1e9,
