@@ -518,6 +518,9 @@ class CudaSession : public Session {
   bool hc_pending_ = false;
   void hc_site_finish(const HcFinishArgs& fz, bool branch);
   void hc_site_pass(const HcPassArgs& p);
+  // Decode runs independent chains concurrently on side streams (graph branches);
+  // prefill and profiling keep one stream.
+  bool branches(int T) const { return T <= kGemvMaxT && !prof_.on(); }
   // decode graph
   cudaGraphExec_t graph_ = nullptr;
   int decode_steps_ = 0;
@@ -775,7 +778,7 @@ void CudaSession::forward(int T, bool all_rows) {
   onehot_pre(pre0_, T, static_cast<int>(M), stream_);
   prof_.mark("embed", stream_);
   const float* pre = pre0_;
-  const bool hc_branch = T <= kGemvMaxT && !prof_.on() && !hc_off_branch();
+  const bool hc_branch = branches(T) && !hc_off_branch();
   // the pending expansion of the previous sublayer (spec §3.3.2)
   const void* pend_y = nullptr;
   const float *pend_post = nullptr, *pend_comb = nullptr;
@@ -871,7 +874,7 @@ void CudaSession::attention(int l, int T) {
   // queries on the session stream, the window KV on side 0, the compressor and
   // the indexer weights on side 1; they join before the indexer scoring and the
   // attention. Prefill (and profiling) keeps one stream.
-  const bool branch = T <= kGemvMaxT && !prof_.on();
+  const bool branch = branches(T);
   cudaStream_t s_kv = branch ? side_[0] : stream_, s_cmp = branch ? side_[1] : stream_;
   if (branch) {
     DSX_CUDA_CHECK(cudaEventRecord(ev_fork_, stream_));
