@@ -1,8 +1,8 @@
-// Device building blocks of the one-wave streaming kernels (gemv_stream.cu, moe.cu):
-// a weight row is read in warp "steps" of 32 consecutive 16-byte chunks (one
-// coalesced 512-byte load per warp; lane l holds chunk 32 s + l), decoded exactly as
-// in gemv_device.cuh and multiplied with activations staged (swizzled f32) in shared
-// memory; f32 products and sums.
+// Device building blocks of the one-wave streaming GEMV (gemv_stream.cu): a weight row
+// is read in warp "steps" of CPS x 32 consecutive 16-byte chunks (each warp load one
+// coalesced 512 bytes; see Step below), decoded exactly as in gemv_device.cuh and
+// multiplied with activations staged (swizzled f32) in shared memory; f32 products and
+// sums.
 #pragma once
 #include "kernels/cuda/gemv_device.cuh"
 
@@ -12,22 +12,6 @@ struct Chunk {
   uint4 raw;
   uint32_t sb;
 };
-
-// Load step cs (32 consecutive 16-byte chunks, one per lane) of weight row `row`
-// (cpr chunks per row; lanes past the row's end load nothing).
-template <WFormat F>
-__device__ __forceinline__ void load_step(Chunk& ch, const WView& W, int cpr, int64_t row, int cs, int lane) {
-  const int c = cs * 32 + lane;
-  const bool ok = c < cpr;
-  const uint8_t* src = W.w + row * W.row_bytes + static_cast<int64_t>(c) * 16;
-  ch.raw = ok ? ldg_stream(src) : make_uint4(0, 0, 0, 0);
-  ch.sb = 0;
-  if constexpr (F == WFormat::FP8_BLOCK) {
-    if (ok) ch.sb = __ldg(W.s + (row >> W.wshift) * W.sc_cols + ((c * 16) >> W.wshift));
-  } else if constexpr (F == WFormat::MXFP4) {
-    if (ok) ch.sb = __ldg(W.s + row * W.sc_cols + c);
-  }
-}
 
 // A position in the block's step sequence: row r (absolute) and step cs of the row.
 struct Cursor {

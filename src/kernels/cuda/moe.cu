@@ -9,7 +9,6 @@
 #include "kernels/cuda/gemv_device.cuh"
 #include "kernels/cuda/gemv_launch.h"
 #include "kernels/cuda/moe_device.cuh"
-#include "kernels/cuda/moe_stream.h"
 #include "util/error.h"
 
 namespace dsx::cuda {
@@ -606,7 +605,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_mma_t1_kernel(const Down
 
 
 struct DecodeLayout {
-  size_t hq = 0, part = 0, cnt = 0, h = 0, gu = 0, total = 0;
+  size_t hq = 0, part = 0, cnt = 0, h = 0, total = 0;
 };
 DecodeLayout decode_layout(const MoeLayer& m, int T, int topk) {
   const int S = topk + (m.shared_w1.data ? 1 : 0);
@@ -620,8 +619,6 @@ DecodeLayout decode_layout(const MoeLayer& m, int T, int topk) {
   off = align256(off + static_cast<size_t>(T) * (m.hidden / kDownRPW) * 4);
   L.h = off;
   off = align256(off + static_cast<size_t>(T) * S * m.inter * 4);
-  L.gu = off;
-  off = align256(off + moe_stream_gu_floats(m, topk) * 4);
   L.total = off;
   return L;
 }
@@ -764,9 +761,6 @@ void moe_decode(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int T, 
   const int D = static_cast<int>(m.hidden), I = static_cast<int>(m.inter);
   char* base = static_cast<char*>(ws);
   const bool bf16 = yt == DType::BF16;  // BF16 mode: the reference rounding points
-  if (moe_decode_stream(m, xt, x, ldx, T, topk, ids, weights, yt, y, ldy, reinterpret_cast<float*>(base + L.hq),
-                        reinterpret_cast<float*>(base + L.gu), stream))
-    return;
   if (moe_decode_mma(m, xt, x, ldx, T, topk, ids, weights, yt, y, ldy, base, L, stream)) return;
 
   // ---- up

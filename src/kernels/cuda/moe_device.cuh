@@ -1,4 +1,4 @@
-// Device helpers shared by the MoE kernels (moe.cu, moe_stream.cu).
+// Device helpers of the MoE kernels (moe.cu).
 #pragma once
 #include <cuda_runtime.h>
 
