@@ -172,11 +172,14 @@ struct MmaParams {
 // U: spans in flight per lane (U KB per warp). Every warp walks the same number Pw of
 // spans per tile (its real spans padded to a multiple of U with empty ones), so the
 // unrolled groups of U spans are branch-free and the compiler overlaps their latencies.
-template <WFormat F, bool HW, int P, int U>
-__global__ void __launch_bounds__(kThreads, 2) gemv_mma_kernel(const MmaParams p) {
+// R (ring): the spans in flight live in a shared-memory ring filled by cp.async
+// (gemv_device.cuh, U in flight per warp) instead of registers.
+template <WFormat F, bool HW, int P, int U, bool R = false>
+__global__ void __launch_bounds__(kThreads, R ? 1 : 2) gemv_mma_kernel(const MmaParams p) {
   extern __shared__ uint4 smem_mma[];
   __shared__ uint4 s_zero[4];
-  uint32_t* bs = reinterpret_cast<uint32_t*>(smem_mma);
+  uint4* ring = smem_mma + (threadIdx.x >> 5) * (U + 1) * 64;  // R only: this warp's slots
+  uint32_t* bs = reinterpret_cast<uint32_t*>(smem_mma + (R ? kWarps * (U + 1) * 64 : 0));
   float* sas = reinterpret_cast<float*>(bs + static_cast<int64_t>(p.T) * p.tstride * 16);
   float* red = sas + static_cast<int64_t>(p.T) * p.tstride;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -190,19 +193,33 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_mma_kernel(const MmaParams p
   const int64_t tile0 = static_cast<int64_t>(blockIdx.x) * p.TPB + wr;
   if (threadIdx.x < 4) s_zero[threadIdx.x] = make_uint4(0, 0, 0, 0);
 
-  dev::MmaSlot<F> ring[U];
-  // load cursor: (round, k) with k < Pw; spans k >= nspw and rounds >= rounds are empty
+  // load cursor: (round, k) with k < Pw (register ring) or k < nspw (shared ring);
+  // spans k >= nspw and rounds >= rounds are empty
+  const int kwrap = R ? nspw : Pw;
   int l_r = 0, l_k = 0;
-  auto load_next = [&](dev::MmaSlot<F>& sl) {
-    const bool live = l_k < nspw && l_r < rounds;
-    dev::mma_slot_load<F>(sl, p.W, (tile0 + static_cast<int64_t>(l_r) * tile_step) * 16, p.N - 1, s_lo + l_k, p.NB,
-                          lane, live);
-    const bool wrap = ++l_k == Pw;  // branch-free cursor update
+  auto advance = [&]() {
+    const bool wrap = ++l_k == kwrap;  // branch-free cursor update
     l_k = wrap ? 0 : l_k;
     l_r += wrap ? 1 : 0;
   };
+  auto row_of = [&](int r) { return (tile0 + static_cast<int64_t>(r) * tile_step) * 16; };
+  dev::MmaSlot<F> regs[R ? 1 : U];
+  int slot_in = 0;
+  if constexpr (R) {
+#pragma unroll 1
+    for (int u = 0; u < U; ++u) {
+      dev::mma_slot_issue<F>(ring + u * 64, p.W, row_of(l_r), p.N - 1, s_lo + l_k, p.NB, lane,
+                             l_k < nspw && l_r < rounds);
+      advance();
+    }
+    slot_in = U;
+  } else {
 #pragma unroll
-  for (int u = 0; u < U; ++u) load_next(ring[u]);
+    for (int u = 0; u < U; ++u) {
+      dev::mma_slot_load<F>(regs[u], p.W, row_of(l_r), p.N - 1, s_lo + l_k, p.NB, lane, l_k < nspw && l_r < rounds);
+      advance();
+    }
+  }
 
   dev::pdl_wait();
   dev::stage_b_mma<F, HW>(bs, sas, p.tstride, p.T, p.NB, p.x, p.xt, p.ldx, 0, p.prescale);
@@ -211,17 +228,37 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_mma_kernel(const MmaParams p
   const uint32_t* bzero = reinterpret_cast<const uint32_t*>(s_zero);
 
   const int g = lane >> 2;
+  int slot_out = 0;
   for (int r = 0; r < rounds; ++r) {
-    const int64_t row0 = (tile0 + static_cast<int64_t>(r) * tile_step) * 16;
+    const int64_t row0 = row_of(r);
     float acc[P][2];
 #pragma unroll
     for (int q = 0; q < P; ++q) acc[q][0] = acc[q][1] = 0.f;
-    for (int k0 = 0; k0 < Pw; k0 += U) {
+    if constexpr (R) {
+#pragma unroll 2
+      for (int k = 0; k < nspw; ++k) {
+        dev::cp_async_wait<U - 1>();
+        dev::MmaSlot<F> sl;
+        dev::mma_slot_read<F>(sl, ring + slot_out * 64, p.W, row0, p.N - 1, s_lo + k, p.NB, lane, true);
+        dev::mma_slot_consume<F, HW, P>(sl, acc, bs, sas, p.tstride, p.T, s_lo + k, p.NB, lane, p.W, row0, p.N - 1,
+                                        bzero);
+        // refill the slot read one span ago (its data has been consumed)
+        dev::mma_slot_issue<F>(ring + slot_in * 64, p.W, row_of(l_r), p.N - 1, s_lo + l_k, p.NB, lane,
+                               l_k < nspw && l_r < rounds);
+        advance();
+        slot_out = slot_out == U ? 0 : slot_out + 1;
+        slot_in = slot_in == U ? 0 : slot_in + 1;
+      }
+    } else {
+      for (int k0 = 0; k0 < Pw; k0 += U) {
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        dev::mma_slot_consume<F, HW, P>(ring[u], acc, bs, sas, p.tstride, p.T, s_lo + k0 + u, p.NB, lane, p.W, row0,
-                                        p.N - 1, bzero);
-        load_next(ring[u]);
+        for (int u = 0; u < U; ++u) {
+          dev::mma_slot_consume<F, HW, P>(regs[u], acc, bs, sas, p.tstride, p.T, s_lo + k0 + u, p.NB, lane, p.W,
+                                          row0, p.N - 1, bzero);
+          dev::mma_slot_load<F>(regs[u], p.W, row_of(l_r), p.N - 1, s_lo + l_k, p.NB, lane,
+                                l_k < nspw && l_r < rounds);
+          advance();
+        }
       }
     }
     dev::mma_acc_finish<F, P>(acc);
@@ -243,6 +280,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_mma_kernel(const MmaParams p
       }
     }
   }
+  if constexpr (R) dev::cp_async_wait<0>();  // (only empty copies remain)
   if (p.KS > 1) {
     __syncthreads();
     const int items = rounds * p.TPB * 16 * p.T;
@@ -290,6 +328,10 @@ int gemv_mma_ks() {
   static const int v = env_int("DSX_MMA_KS", 0);  // 0: chosen per shape
   return v;
 }
+int gemv_mma_ring() {
+  static const int v = env_int("DSX_MMA_RING", 8);  // 0: register ring; 8 / 16: shared ring depth
+  return v;
+}
 int gemv_mma_depth() {
   static const int v = env_int("DSX_MMA_U", 0);  // 0: chosen per shape
   return v;
@@ -305,16 +347,16 @@ struct MmaPlan {
 };
 
 template <typename Kern>
-MmaPlan mma_plan_for(Kern kern, WFormat f, int64_t N, int K, int T, int64_t row_bytes) {
+MmaPlan mma_plan_for(Kern kern, WFormat f, int64_t N, int K, int T, int64_t row_bytes, size_t ring_bytes = 0) {
   MmaPlan pl;
   pl.NB = K / 32;
   pl.nsp = static_cast<int>((row_bytes + 63) / 64);
   pl.n_tiles = (N + 15) / 16;
   pl.P = f == WFormat::FP8_BLOCK ? (T <= 4 ? 1 : 2) : (T <= 2 ? 1 : 2);
-  const size_t base = static_cast<size_t>(T) * pl.NB * (64 + 4);
+  const size_t base = ring_bytes + static_cast<size_t>(T) * pl.NB * (64 + 4);
   const size_t red_round = static_cast<size_t>(kWarps) * 16 * 8 * 4;
   const size_t maxdyn = detail::max_dynamic_smem(kern);
-  if (base + 2 * red_round > std::min<size_t>(maxdyn, 110 * 1024)) return pl;
+  if (base + 2 * red_round > std::min<size_t>(maxdyn, ring_bytes ? maxdyn : 110 * 1024)) return pl;
   const int occ = detail::occupancy(kern, kThreads, base + 2 * red_round);
   const int64_t resident = static_cast<int64_t>(occ) * sm_count();
   // K split: minimise waves * (bytes per warp item + a fixed cost), larger split on ties
@@ -342,10 +384,11 @@ MmaPlan mma_plan_for(Kern kern, WFormat f, int64_t N, int K, int T, int64_t row_
   return pl;
 }
 
-template <WFormat F, bool HW, int P, int U>
+template <WFormat F, bool HW, int P, int U, bool R = false>
 bool try_launch_mma(const MmaParams& base, int K, cudaStream_t stream) {
-  auto kern = gemv_mma_kernel<F, HW, P, U>;
-  MmaPlan pl = mma_plan_for(kern, F, base.N, K, base.T, base.W.row_bytes);
+  auto kern = gemv_mma_kernel<F, HW, P, U, R>;
+  const size_t ring = R ? static_cast<size_t>(kWarps) * (U + 1) * 1024 : 0;
+  MmaPlan pl = mma_plan_for(kern, F, base.N, K, base.T, base.W.row_bytes, ring);
   if (!pl.ok) return false;
   MmaParams p = base;
   p.NB = pl.NB;
@@ -392,6 +435,22 @@ bool gemv_mma(const QMatrix& W, DType xt, const void* x, int64_t ldx, int T, DTy
     depth = (fp8 && pl.ok && pl.nsp / pl.KS >= 32) ? 8 : 4;
   }
   const bool deep = depth >= 8;
+  if (gemv_mma_ring() > 0) {
+    // shared-memory ring: depth 8 (DSX_MMA_RING=16: 16) spans in flight per warp
+    const bool r16 = gemv_mma_ring() >= 16;
+    if (fp8) {
+      p.prescale = dev::fp8_mma_prescale<false>();
+      if (T <= 4)
+        return r16 ? try_launch_mma<WFormat::FP8_BLOCK, false, 1, 16, true>(p, K, stream)
+                   : try_launch_mma<WFormat::FP8_BLOCK, false, 1, 8, true>(p, K, stream);
+      return try_launch_mma<WFormat::FP8_BLOCK, false, 2, 8, true>(p, K, stream);
+    }
+    p.prescale = dev::kMx4MmaPrescale;
+    if (T <= 2)
+      return r16 ? try_launch_mma<WFormat::MXFP4, false, 1, 16, true>(p, K, stream)
+                 : try_launch_mma<WFormat::MXFP4, false, 1, 8, true>(p, K, stream);
+    return try_launch_mma<WFormat::MXFP4, false, 2, 8, true>(p, K, stream);
+  }
   if (fp8) {
     if (gemv_mma_hwcvt()) {
       p.prescale = dev::fp8_mma_prescale<true>();

@@ -604,6 +604,288 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_mma_t1_kernel(const Down
 }
 
 
+// ---------------------------------------------------------------------------------
+// One-token kernels on the shared-memory span ring (gemv_device.cuh): each warp walks a
+// sequence of pieces (16 rows x a span range of one weight matrix) and its copies run
+// U spans ahead across piece boundaries, so a warp's stream never drains between
+// units. Same arithmetic per piece as stream_tile. DSX_MOE_RING=0: the register-ring
+// kernels above.
+constexpr int kRingU = 8;
+constexpr size_t kRingBytes = static_cast<size_t>(kWarps) * (kRingU + 1) * 1024;
+
+bool moe_ring_enabled() {
+  static const bool v = env_int("DSX_MOE_RING", 1) != 0;
+  return v;
+}
+
+struct Piece {
+  dev::WView v;
+  int64_t row0 = 0, row_last = 0;
+  int s_lo = 0, s_hi = 0;
+  bool fp4 = false;
+};
+
+// The copy cursor of a warp over its pieces (piece_at(i), i < count) and its ring.
+template <int U, typename PieceAt>
+struct SpanStream {
+  uint4* ring;
+  int lane, NB, count;
+  PieceAt piece_at;
+  int li = 0, lk = 0, slot_in = 0, slot_out = 0;
+  Piece lp;
+
+  // moves the cursor past the end of the current piece (and past empty pieces)
+  __device__ void skip_done() {
+    while (li < count && lk >= lp.s_hi - lp.s_lo) {
+      lk = 0;
+      if (++li < count) lp = piece_at(li);
+    }
+  }
+  __device__ void issue_one() {
+    const bool live = li < count;
+    uint4* slot = ring + slot_in * 64;
+    if (lp.fp4)
+      dev::mma_slot_issue<WFormat::MXFP4>(slot, lp.v, lp.row0, lp.row_last, lp.s_lo + lk, NB, lane, live);
+    else
+      dev::mma_slot_issue<WFormat::FP8_BLOCK>(slot, lp.v, lp.row0, lp.row_last, lp.s_lo + lk, NB, lane, live);
+    slot_in = slot_in == U ? 0 : slot_in + 1;
+    if (live) {
+      ++lk;
+      skip_done();
+    }
+  }
+  __device__ void start() {
+    if (count > 0) {
+      lp = piece_at(0);
+      skip_done();
+    }
+#pragma unroll 1
+    for (int u = 0; u < U; ++u) issue_one();
+  }
+  // acc += the next piece (q, which must be piece_at of the consumer's position).
+  template <WFormat F>
+  __device__ void consume_piece(const Piece& q, float (&acc)[1][2], const uint32_t* bs, const float* sas,
+                                const uint32_t* bzero) {
+#pragma unroll 2
+    for (int s = q.s_lo; s < q.s_hi; ++s) {
+      dev::cp_async_wait<U - 1>();
+      dev::MmaSlot<F> sl;
+      dev::mma_slot_read<F>(sl, ring + slot_out * 64, q.v, q.row0, q.row_last, s, NB, lane, true);
+      dev::mma_slot_consume<F, false, 1>(sl, acc, bs, sas, NB, 1, s, NB, lane, q.v, q.row0, q.row_last, bzero);
+      issue_one();
+      slot_out = slot_out == U ? 0 : slot_out + 1;
+    }
+    dev::mma_acc_finish<F, 1>(acc);
+  }
+  __device__ void finish() { dev::cp_async_wait<0>(); }
+};
+template <int U, typename PieceAt>
+__device__ SpanStream<U, PieceAt> make_stream(uint4* ring, int lane, int NB, int count, PieceAt at) {
+  return SpanStream<U, PieceAt>{ring, lane, NB, count, at};
+}
+
+// moe_up_mma_t1_kernel on the ring. Shared memory: [rings | FP8 B | scales | MXFP4 B |
+// scales | red].
+__global__ void __launch_bounds__(kThreads, 2) moe_up_ring_t1_kernel(const UpMmaParams p) {
+  extern __shared__ uint4 smem_mma[];
+  __shared__ uint4 s_zero[4];
+  __shared__ const uint8_t* tab[kMaxSlots][4];
+  __shared__ float twt[kMaxSlots];
+  if (threadIdx.x < 4) s_zero[threadIdx.x] = make_uint4(0, 0, 0, 0);
+  const uint32_t* bzero = reinterpret_cast<const uint32_t*>(s_zero);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  uint4* ring = smem_mma + warp * (kRingU + 1) * 64;
+  const int nbp = (p.NB + 3) & ~3;
+  uint32_t* bs8 = reinterpret_cast<uint32_t*>(smem_mma + kWarps * (kRingU + 1) * 64);
+  float* sas8 = reinterpret_cast<float*>(bs8 + static_cast<int64_t>(p.NB) * 16);
+  uint32_t* bs4 = reinterpret_cast<uint32_t*>(sas8 + nbp);
+  float* sas4 = reinterpret_cast<float*>(bs4 + static_cast<int64_t>(p.NB) * 16);
+  float* red = sas4 + nbp;  // [8 warps][16 rows][8]
+  const int m = warp >> 2, kq = warp & 3;  // matrix (0: w1, 1: w3), quarter of D
+  const int g = lane >> 2;
+  const int n_units = p.n_sblocks + p.topk * p.NTI;
+  const int my_units = (n_units - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) /
+                       static_cast<int>(gridDim.x);
+  dev::pdl_wait();  // ids / wts / x come from the previous kernels
+  if (threadIdx.x < p.topk) {
+    const int e = p.ids[threadIdx.x];
+    tab[threadIdx.x][0] = p.w1[e];
+    tab[threadIdx.x][1] = p.w1s[e];
+    tab[threadIdx.x][2] = p.w3[e];
+    tab[threadIdx.x][3] = p.w3s[e];
+    twt[threadIdx.x] = p.wts[threadIdx.x];
+  }
+  __syncthreads();
+  auto piece_at = [&](int li) {
+    const int unit = static_cast<int>(blockIdx.x) + li * static_cast<int>(gridDim.x);
+    Piece q;
+    q.row_last = p.I - 1;
+    if (unit < p.n_sblocks) {
+      q.v = m == 0 ? p.sw1 : p.sw3;
+      q.row0 = static_cast<int64_t>(unit) * 16;
+      q.fp4 = false;
+    } else {
+      const int u = unit - p.n_sblocks, j = u / p.NTI;
+      q.v.w = tab[j][2 * m];
+      q.v.s = tab[j][2 * m + 1];
+      q.v.row_bytes = p.D / 2;
+      q.v.sc_cols = p.D / 32;
+      q.row0 = static_cast<int64_t>(u % p.NTI) * 16;
+      q.fp4 = true;
+    }
+    const int nsp = static_cast<int>((q.v.row_bytes + 63) / 64);
+    q.s_lo = nsp * kq / 4;
+    q.s_hi = nsp * (kq + 1) / 4;
+    return q;
+  };
+  auto st = make_stream<kRingU>(ring, lane, p.NB, my_units, piece_at);
+  st.start();
+  if (static_cast<int>(blockIdx.x) < p.n_sblocks)
+    dev::stage_b_mma<WFormat::FP8_BLOCK, false>(bs8, sas8, p.NB, 1, p.NB, p.x, p.xt, p.ldx, 0,
+                                                dev::fp8_mma_prescale<false>());
+  if (n_units > p.n_sblocks && static_cast<int>(blockIdx.x) + (my_units - 1) * static_cast<int>(gridDim.x) >= p.n_sblocks)
+    dev::stage_b_mma<WFormat::MXFP4, false>(bs4, sas4, p.NB, 1, p.NB, p.x, p.xt, p.ldx, 0, dev::kMx4MmaPrescale);
+  __syncthreads();
+  for (int li = 0; li < my_units; ++li) {
+    if (li == my_units - 1) dev::pdl_launch_dependents();
+    const Piece q = piece_at(li);
+    float a[1][2] = {{0.f, 0.f}};
+    if (!q.fp4) {
+      st.template consume_piece<WFormat::FP8_BLOCK>(q, a, bs8, sas8, bzero);
+      if ((lane & 3) == 0) {  // token 0: lanes c == 0 hold it
+        red[(warp * 16 + g) * 8] = a[0][0];
+        red[(warp * 16 + g + 8) * 8] = a[0][1];
+      }
+    } else {
+      st.template consume_piece<WFormat::MXFP4>(q, a, bs4, sas4, bzero);
+      if ((lane & 3) == 0) {
+        red[(warp * 16 + g) * 8] = a[0][0];
+        red[(warp * 16 + g + 8) * 8] = a[0][1];
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < 16) {
+      const int unit = static_cast<int>(blockIdx.x) + li * static_cast<int>(gridDim.x);
+      const bool shared = unit < p.n_sblocks;
+      const int j = shared ? p.topk : (unit - p.n_sblocks) / p.NTI;
+      const int tile = shared ? unit : (unit - p.n_sblocks) % p.NTI;
+      const int rl = threadIdx.x;
+      const int row = tile * 16 + rl;
+      if (row < p.I) {
+        float gs = 0.f, us = 0.f;
+#pragma unroll
+        for (int qq = 0; qq < 4; ++qq) {
+          gs += red[(qq * 16 + rl) * 8];
+          us += red[((4 + qq) * 16 + rl) * 8];
+        }
+        p.h[static_cast<int64_t>(j) * p.I + row] = dev::swiglu_h(gs, us, shared ? 1.0f : twt[j], p.lim, p.bf16);
+      }
+    }
+    __syncthreads();  // red is reused by the next unit
+  }
+  st.finish();
+}
+
+// moe_down_mma_t1_kernel on the ring: warp w streams items w, w + 8, ... (routed slot
+// j < topk: w2 of expert ids[j]; topk, topk + 1: the halves of the shared expert's I)
+// of every tile of D of its block.
+__global__ void __launch_bounds__(kThreads, 2) moe_down_ring_t1_kernel(const DownMmaParams p) {
+  extern __shared__ uint4 smem_mma[];
+  __shared__ uint4 s_zero[4];
+  __shared__ float part[kMaxSlots + 2][16];
+  __shared__ int order[kMaxSlots];
+  if (threadIdx.x < 4) s_zero[threadIdx.x] = make_uint4(0, 0, 0, 0);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  uint4* ring = smem_mma + warp * (kRingU + 1) * 64;
+  DownSmem sm;
+  uint32_t* base = reinterpret_cast<uint32_t*>(smem_mma + kWarps * (kRingU + 1) * 64);
+  sm.bs_r = base;
+  sm.sas_r = reinterpret_cast<float*>(sm.bs_r + static_cast<int64_t>(p.topk) * p.NBI * 16);
+  sm.bs_s = base + ((static_cast<int64_t>(p.topk) * p.NBI * 17 + 3) & ~int64_t{3});
+  sm.sas_s = reinterpret_cast<float*>(sm.bs_s + static_cast<int64_t>(p.NBI) * 16);
+  sm.part = part;
+  sm.order = order;
+  sm.bzero = reinterpret_cast<const uint32_t*>(s_zero);
+
+  const int items = p.topk + 2 * p.has_shared;
+  const int n_it = (items - warp + kWarps - 1) / kWarps;  // items of this warp per tile (0..2)
+  const int my_tiles = (p.NTD - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) /
+                       static_cast<int>(gridDim.x);
+  // The views of this warp's items. ids come from the router, two kernels back: it has
+  // completed before the up kernel's blocks passed their grid dependency wait, which
+  // precedes this grid's launch, so the weights can stream before this grid's wait.
+  const int nspI = (p.I + 63) / 64, nspR = (p.I / 2 + 63) / 64;
+  auto view_of = [&](int it, Piece& q) {
+    if (it < p.topk) {
+      const int e = p.ids[it];
+      q.v.w = p.w2[e];
+      q.v.s = p.w2s[e];
+      q.v.row_bytes = p.I / 2;
+      q.v.sc_cols = p.I / 32;
+      q.fp4 = true;
+      q.s_lo = 0;
+      q.s_hi = nspR;
+    } else {
+      const int hh = it - p.topk;
+      q.v = p.sw2;
+      q.fp4 = false;
+      q.s_lo = hh * nspI / 2;
+      q.s_hi = (hh + 1) * nspI / 2;
+    }
+    q.row_last = p.D - 1;
+  };
+  Piece v0, v1;
+  if (n_it > 0) view_of(warp, v0);
+  if (n_it > 1) view_of(warp + kWarps, v1);
+  auto piece_at = [&](int li) {
+    const int ti = li / n_it, k = li - ti * n_it;
+    Piece q = k == 0 ? v0 : v1;
+    q.row0 = static_cast<int64_t>(static_cast<int>(blockIdx.x) + ti * static_cast<int>(gridDim.x)) * 16;
+    return q;
+  };
+  auto st = make_stream<kRingU>(ring, lane, p.NBI, my_tiles * n_it, piece_at);
+  st.start();
+  dev::pdl_wait();  // h comes from the up kernel
+  down_stage(p, 0, blockIdx.x == 0 ? p.hq : nullptr, sm);
+  __syncthreads();
+  dev::pdl_launch_dependents();
+  for (int ti = 0; ti < my_tiles; ++ti) {
+    for (int k = 0; k < n_it; ++k) {
+      const int it = warp + k * kWarps;
+      const Piece q = piece_at(ti * n_it + k);
+      float a[1][2] = {{0.f, 0.f}};
+      if (q.fp4)
+        st.template consume_piece<WFormat::MXFP4>(q, a, sm.bs_r + static_cast<int64_t>(it) * p.NBI * 16,
+                                                  sm.sas_r + static_cast<int64_t>(it) * p.NBI, sm.bzero);
+      else
+        st.template consume_piece<WFormat::FP8_BLOCK>(q, a, sm.bs_s, sm.sas_s, sm.bzero);
+      if (c == 0) {
+        part[it][g] = a[0][0];
+        part[it][g + 8] = a[0][1];
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < 16) {
+      const int rl = threadIdx.x;
+      const int64_t row = static_cast<int64_t>(static_cast<int>(blockIdx.x) + ti * static_cast<int>(gridDim.x)) * 16 + rl;
+      if (row < p.D) {
+        float tot = 0.0f;
+        for (int s2 = 0; s2 < p.S; ++s2) {
+          const int j = order[s2];
+          float v = j < p.topk ? part[j][rl] : part[p.topk][rl] + part[p.topk + 1][rl];
+          if (p.bf16) v = round_bf16(v);
+          tot += v;
+        }
+        dev::store_act(p.y, p.yt, row, tot);
+      }
+    }
+    __syncthreads();  // part is reused by the next tile
+  }
+  st.finish();
+}
+
+
 struct DecodeLayout {
   size_t hq = 0, part = 0, cnt = 0, h = 0, total = 0;
 };
@@ -725,6 +1007,22 @@ bool moe_decode_mma(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int
   const size_t smem_dn = static_cast<size_t>(topk + 1) * NBI * (64 + 4) + 16;
   if (smem_dn > detail::max_dynamic_smem(moe_down_mma_kernel)) return false;
 
+  if (T == 1 && moe_ring_enabled()) {
+    const size_t smem1 = kRingBytes + 2 * (static_cast<size_t>(NB) * 64 + static_cast<size_t>((NB + 3) & ~3) * 4) +
+                         kWarps * 16 * 8 * 4;
+    const size_t smemd = kRingBytes + smem_dn;
+    if (smem1 <= detail::max_dynamic_smem(moe_up_ring_t1_kernel) &&
+        smemd <= detail::max_dynamic_smem(moe_down_ring_t1_kernel)) {
+      const int occ = detail::occupancy(moe_up_ring_t1_kernel, kThreads, smem1);
+      const int64_t grid = std::min<int64_t>(n_up, static_cast<int64_t>(occ) * sm_count());
+      detail::launch_pdl(moe_up_ring_t1_kernel, dim3(static_cast<unsigned>(grid)), dim3(kThreads), smem1, stream, up);
+      const int occd = detail::occupancy(moe_down_ring_t1_kernel, kThreads, smemd);
+      const int64_t gridd = std::min<int64_t>(NTD, static_cast<int64_t>(occd) * sm_count());
+      detail::launch_pdl(moe_down_ring_t1_kernel, dim3(static_cast<unsigned>(gridd)), dim3(kThreads), smemd, stream,
+                         dn);
+      return true;
+    }
+  }
   if (T == 1 && moe_up_persistent()) {
     const size_t smem1 = 2 * (static_cast<size_t>(NB) * 64 + static_cast<size_t>((NB + 3) & ~3) * 4) + kWarps * 16 * 8 * 4;
     if (smem1 <= detail::max_dynamic_smem(moe_up_mma_t1_kernel)) {
