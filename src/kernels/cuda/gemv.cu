@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "kernels/cuda/gemv_device.cuh"
+#include "kernels/cuda/gemv_ring_device.cuh"
 #include "kernels/cuda/gemv_launch.h"
 #include "kernels/cuda/gemv_bulk.h"
 #include "kernels/cuda/gemv_stream.h"
@@ -193,26 +194,28 @@ __global__ void __launch_bounds__(kThreads, R ? 1 : 2) gemv_mma_kernel(const Mma
   const int64_t tile0 = static_cast<int64_t>(blockIdx.x) * p.TPB + wr;
   if (threadIdx.x < 4) s_zero[threadIdx.x] = make_uint4(0, 0, 0, 0);
 
-  // load cursor: (round, k) with k < Pw (register ring) or k < nspw (shared ring);
-  // spans k >= nspw and rounds >= rounds are empty
-  const int kwrap = R ? nspw : Pw;
+  // load cursor: (round, k) with k < Pw (register ring); spans k >= nspw and rounds
+  // >= rounds are empty. Shared ring: a RingLoad per round (piece).
   int l_r = 0, l_k = 0;
   auto advance = [&]() {
-    const bool wrap = ++l_k == kwrap;  // branch-free cursor update
+    const bool wrap = ++l_k == Pw;  // branch-free cursor update
     l_k = wrap ? 0 : l_k;
     l_r += wrap ? 1 : 0;
   };
   auto row_of = [&](int r) { return (tile0 + static_cast<int64_t>(r) * tile_step) * 16; };
   dev::MmaSlot<F> regs[R ? 1 : U];
+  dev::RingLoad ld;
   int slot_in = 0;
+  // next span of the shared ring: its copies, then the cursor moves to the next round
+  auto ring_issue = [&]() {
+    ld.issue(ring + slot_in * 64, lane);
+    slot_in = slot_in == U ? 0 : slot_in + 1;
+    if (ld.left == 0 && l_r + 1 < rounds) ld.set(p.W, row_of(++l_r), p.N - 1, s_lo, s_hi, lane);
+  };
   if constexpr (R) {
+    if (rounds > 0) ld.set(p.W, row_of(0), p.N - 1, s_lo, s_hi, lane);
 #pragma unroll 1
-    for (int u = 0; u < U; ++u) {
-      dev::mma_slot_issue<F>(ring + u * 64, p.W, row_of(l_r), p.N - 1, s_lo + l_k, p.NB, lane,
-                             l_k < nspw && l_r < rounds);
-      advance();
-    }
-    slot_in = U;
+    for (int u = 0; u < U; ++u) ring_issue();
   } else {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -235,19 +238,15 @@ __global__ void __launch_bounds__(kThreads, R ? 1 : 2) gemv_mma_kernel(const Mma
 #pragma unroll
     for (int q = 0; q < P; ++q) acc[q][0] = acc[q][1] = 0.f;
     if constexpr (R) {
+      static_assert(P == 1, "the shared ring streams one token pass");
+      typename dev::RingCons<F>::type cons;
+      cons.set(p.W, row0, p.N - 1, bs, sas, p.tstride, p.T, p.NB, lane);
 #pragma unroll 2
       for (int k = 0; k < nspw; ++k) {
         dev::cp_async_wait<U - 1>();
-        dev::MmaSlot<F> sl;
-        dev::mma_slot_read<F>(sl, ring + slot_out * 64, p.W, row0, p.N - 1, s_lo + k, p.NB, lane, true);
-        dev::mma_slot_consume<F, HW, P>(sl, acc, bs, sas, p.tstride, p.T, s_lo + k, p.NB, lane, p.W, row0, p.N - 1,
-                                        bzero);
-        // refill the slot read one span ago (its data has been consumed)
-        dev::mma_slot_issue<F>(ring + slot_in * 64, p.W, row_of(l_r), p.N - 1, s_lo + l_k, p.NB, lane,
-                               l_k < nspw && l_r < rounds);
-        advance();
+        cons.span(ring + slot_out * 64, s_lo + k, acc[0], s_zero, lane);
+        ring_issue();  // refills the slot read one span ago (its data has been consumed)
         slot_out = slot_out == U ? 0 : slot_out + 1;
-        slot_in = slot_in == U ? 0 : slot_in + 1;
       }
     } else {
       for (int k0 = 0; k0 < Pw; k0 += U) {
@@ -435,21 +434,20 @@ bool gemv_mma(const QMatrix& W, DType xt, const void* x, int64_t ldx, int T, DTy
     depth = (fp8 && pl.ok && pl.nsp / pl.KS >= 32) ? 8 : 4;
   }
   const bool deep = depth >= 8;
-  if (gemv_mma_ring() > 0) {
-    // shared-memory ring: depth 8 (DSX_MMA_RING=16: 16) spans in flight per warp
+  if (gemv_mma_ring() > 0 && T <= (fp8 ? 4 : 2)) {
+    // shared ring, one token pass: depth 8 (DSX_MMA_RING=16: 16) spans in flight per
+    // warp; FP8 with the hardware e4m3 conversion. Falls through when it does not fit.
     const bool r16 = gemv_mma_ring() >= 16;
-    if (fp8) {
-      p.prescale = dev::fp8_mma_prescale<false>();
-      if (T <= 4)
-        return r16 ? try_launch_mma<WFormat::FP8_BLOCK, false, 1, 16, true>(p, K, stream)
-                   : try_launch_mma<WFormat::FP8_BLOCK, false, 1, 8, true>(p, K, stream);
-      return try_launch_mma<WFormat::FP8_BLOCK, false, 2, 8, true>(p, K, stream);
-    }
-    p.prescale = dev::kMx4MmaPrescale;
-    if (T <= 2)
-      return r16 ? try_launch_mma<WFormat::MXFP4, false, 1, 16, true>(p, K, stream)
-                 : try_launch_mma<WFormat::MXFP4, false, 1, 8, true>(p, K, stream);
-    return try_launch_mma<WFormat::MXFP4, false, 2, 8, true>(p, K, stream);
+    MmaParams q = p;
+    q.prescale = fp8 ? dev::fp8_mma_prescale<true>() : dev::kMx4MmaPrescale;
+    bool ok;
+    if (fp8)
+      ok = r16 ? try_launch_mma<WFormat::FP8_BLOCK, true, 1, 16, true>(q, K, stream)
+               : try_launch_mma<WFormat::FP8_BLOCK, true, 1, 8, true>(q, K, stream);
+    else
+      ok = r16 ? try_launch_mma<WFormat::MXFP4, false, 1, 16, true>(q, K, stream)
+               : try_launch_mma<WFormat::MXFP4, false, 1, 8, true>(q, K, stream);
+    if (ok) return true;
   }
   if (fp8) {
     if (gemv_mma_hwcvt()) {

@@ -477,53 +477,6 @@ __device__ __forceinline__ uint4 lds128(const uint4* p) {
   return r;
 }
 
-// Issue the copies of span s (as mma_slot_load) into `slot` (64 uint4) and commit them
-// as one group (also when nothing is copied, so that the group count stays uniform).
-template <WFormat F>
-__device__ __forceinline__ void mma_slot_issue(uint4* slot, const WView& W, int64_t row0, int64_t row_last, int s,
-                                               int NB, int lane, bool live) {
-  const int g = lane >> 2, c = lane & 3;
-  const int64_t rg = row0 + g < row_last ? row0 + g : row_last;
-  const int64_t rg8 = row0 + g + 8 < row_last ? row0 + g + 8 : row_last;
-  const int64_t off = static_cast<int64_t>(s) * 64 + 16 * c;
-  const bool ok = live && off + 16 <= W.row_bytes;
-  const int64_t offc = ok ? off : 0;
-  cp_async16_zfill(smem_u32(slot + lane), W.w + rg * W.row_bytes + offc, ok);
-  cp_async16_zfill(smem_u32(slot + 32 + lane), W.w + rg8 * W.row_bytes + offc, ok);
-  if constexpr (F == WFormat::FP8_BLOCK) {
-    const int64_t r0c = row0 < row_last ? row0 : row_last;
-    const int kb0 = 2 * s < NB ? 2 * s : NB - 1;
-    if (live && c == 0) prefetch_l1(W.s + (r0c >> W.wshift) * W.sc_cols + ((kb0 * 32) >> W.wshift));
-  } else {
-    int b0 = 4 * s + 2 * (c & 1);
-    b0 = b0 < NB ? b0 : NB - 1;
-    if (live) {
-      prefetch_l1(W.s + rg * W.sc_cols + b0);
-      prefetch_l1(W.s + rg8 * W.sc_cols + b0);
-    }
-  }
-  cp_async_commit();
-}
-
-// Read span s back from `slot` once its group has landed (the caller waits), with the
-// FP8 scale bytes (L1 hits after the prefetch) as mma_slot_load would have loaded them.
-template <WFormat F>
-__device__ __forceinline__ void mma_slot_read(MmaSlot<F>& sl, const uint4* slot, const WView& W, int64_t row0,
-                                              int64_t row_last, int s, int NB, int lane, bool live) {
-  sl.a = lds128(slot + lane);
-  sl.a8 = lds128(slot + 32 + lane);
-  if constexpr (F == WFormat::FP8_BLOCK) {
-    const int kb0 = 2 * s;
-    const int64_t r0c = row0 < row_last ? row0 : row_last;
-    const uint8_t* srow = W.s + (r0c >> W.wshift) * W.sc_cols;
-    const bool v0 = live && kb0 < NB, v1 = live && kb0 + 1 < NB;
-    sl.sc[0] = v0 ? static_cast<uint32_t>(__ldg(srow + ((kb0 * 32) >> W.wshift))) : 0u;
-    sl.sc[1] = v1 ? static_cast<uint32_t>(__ldg(srow + (((kb0 + 1) * 32) >> W.wshift))) : 0u;
-  } else {
-    sl.sc[0] = 0;
-  }
-}
-
 __device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }

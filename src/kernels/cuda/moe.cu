@@ -7,6 +7,7 @@
 #include "kernels/cuda/gemm_internal.h"
 #include "kernels/cuda/gemv.h"
 #include "kernels/cuda/gemv_device.cuh"
+#include "kernels/cuda/gemv_ring_device.cuh"
 #include "kernels/cuda/gemv_launch.h"
 #include "kernels/cuda/moe_device.cuh"
 #include "util/error.h"
@@ -487,20 +488,25 @@ struct DownSmem {
 
 // Stages QA8(h) of token t (fq: also written there, unscaled) and the slot order
 // (ascending expert id, shared expert last). All threads.
-__device__ __forceinline__ void down_stage(const DownMmaParams& p, int t, float* fq, const DownSmem& sm) {
+// The slot order of token t (ascending expert id, shared expert last). Thread 0.
+__device__ __forceinline__ void down_order(const DownMmaParams& p, int t, int* order) {
   if (threadIdx.x == 0) {
-    for (int j = 0; j < p.S; ++j) sm.order[j] = j;
+    for (int j = 0; j < p.S; ++j) order[j] = j;
     for (int a = 1; a < p.topk; ++a) {
-      const int v = sm.order[a];
+      const int v = order[a];
       const int ev = p.ids[t * p.topk + v];
       int b = a - 1;
-      while (b >= 0 && p.ids[t * p.topk + sm.order[b]] > ev) {
-        sm.order[b + 1] = sm.order[b];
+      while (b >= 0 && p.ids[t * p.topk + order[b]] > ev) {
+        order[b + 1] = order[b];
         --b;
       }
-      sm.order[b + 1] = v;
+      order[b + 1] = v;
     }
   }
+}
+
+__device__ __forceinline__ void down_stage(const DownMmaParams& p, int t, float* fq, const DownSmem& sm) {
+  down_order(p, t, sm.order);
   const int64_t hrow = static_cast<int64_t>(t) * p.S * p.I;
   dev::stage_b_mma<WFormat::MXFP4, false>(sm.bs_r, sm.sas_r, p.NBI, p.topk, p.NBI, p.h, 0, p.I, hrow,
                                           dev::kMx4MmaPrescale, fq, p.I);
@@ -631,47 +637,41 @@ struct SpanStream {
   uint4* ring;
   int lane, NB, count;
   PieceAt piece_at;
-  int li = 0, lk = 0, slot_in = 0, slot_out = 0;
-  Piece lp;
+  int li = 0, slot_in = 0, slot_out = 0;
+  dev::RingLoad ld;
 
-  // moves the cursor past the end of the current piece (and past empty pieces)
-  __device__ void skip_done() {
-    while (li < count && lk >= lp.s_hi - lp.s_lo) {
-      lk = 0;
-      if (++li < count) lp = piece_at(li);
+  // points the copy cursor at piece li, or the next non-empty one (none: ld.left == 0)
+  __device__ void load_piece() {
+    for (; li < count; ++li) {
+      const Piece q = piece_at(li);
+      ld.set(q.v, q.row0, q.row_last, q.s_lo, q.s_hi, lane);
+      if (ld.left > 0) return;
     }
   }
   __device__ void issue_one() {
-    const bool live = li < count;
-    uint4* slot = ring + slot_in * 64;
-    if (lp.fp4)
-      dev::mma_slot_issue<WFormat::MXFP4>(slot, lp.v, lp.row0, lp.row_last, lp.s_lo + lk, NB, lane, live);
-    else
-      dev::mma_slot_issue<WFormat::FP8_BLOCK>(slot, lp.v, lp.row0, lp.row_last, lp.s_lo + lk, NB, lane, live);
+    ld.issue(ring + slot_in * 64, lane);
     slot_in = slot_in == U ? 0 : slot_in + 1;
-    if (live) {
-      ++lk;
-      skip_done();
+    if (ld.left == 0 && li < count) {
+      ++li;
+      load_piece();
     }
   }
   __device__ void start() {
-    if (count > 0) {
-      lp = piece_at(0);
-      skip_done();
-    }
+    load_piece();
 #pragma unroll 1
     for (int u = 0; u < U; ++u) issue_one();
   }
-  // acc += the next piece (q, which must be piece_at of the consumer's position).
+  // acc += the next piece (q, which must be piece_at of the consumer's position); bs /
+  // sas: staged B (stage_b_mma) of its one token.
   template <WFormat F>
   __device__ void consume_piece(const Piece& q, float (&acc)[1][2], const uint32_t* bs, const float* sas,
-                                const uint32_t* bzero) {
+                                const uint4* bzero) {
+    typename dev::RingCons<F>::type cons;
+    cons.set(q.v, q.row0, q.row_last, bs, sas, NB, 1, NB, lane);
 #pragma unroll 2
     for (int s = q.s_lo; s < q.s_hi; ++s) {
       dev::cp_async_wait<U - 1>();
-      dev::MmaSlot<F> sl;
-      dev::mma_slot_read<F>(sl, ring + slot_out * 64, q.v, q.row0, q.row_last, s, NB, lane, true);
-      dev::mma_slot_consume<F, false, 1>(sl, acc, bs, sas, NB, 1, s, NB, lane, q.v, q.row0, q.row_last, bzero);
+      cons.span(ring + slot_out * 64, s, acc[0], bzero, lane);
       issue_one();
       slot_out = slot_out == U ? 0 : slot_out + 1;
     }
@@ -692,7 +692,6 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_ring_t1_kernel(const UpMma
   __shared__ const uint8_t* tab[kMaxSlots][4];
   __shared__ float twt[kMaxSlots];
   if (threadIdx.x < 4) s_zero[threadIdx.x] = make_uint4(0, 0, 0, 0);
-  const uint32_t* bzero = reinterpret_cast<const uint32_t*>(s_zero);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   uint4* ring = smem_mma + warp * (kRingU + 1) * 64;
   const int nbp = (p.NB + 3) & ~3;
@@ -741,8 +740,8 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_ring_t1_kernel(const UpMma
   auto st = make_stream<kRingU>(ring, lane, p.NB, my_units, piece_at);
   st.start();
   if (static_cast<int>(blockIdx.x) < p.n_sblocks)
-    dev::stage_b_mma<WFormat::FP8_BLOCK, false>(bs8, sas8, p.NB, 1, p.NB, p.x, p.xt, p.ldx, 0,
-                                                dev::fp8_mma_prescale<false>());
+    dev::stage_b_mma<WFormat::FP8_BLOCK, true>(bs8, sas8, p.NB, 1, p.NB, p.x, p.xt, p.ldx, 0,
+                                               dev::fp8_mma_prescale<true>());
   if (n_units > p.n_sblocks && static_cast<int>(blockIdx.x) + (my_units - 1) * static_cast<int>(gridDim.x) >= p.n_sblocks)
     dev::stage_b_mma<WFormat::MXFP4, false>(bs4, sas4, p.NB, 1, p.NB, p.x, p.xt, p.ldx, 0, dev::kMx4MmaPrescale);
   __syncthreads();
@@ -751,13 +750,13 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_ring_t1_kernel(const UpMma
     const Piece q = piece_at(li);
     float a[1][2] = {{0.f, 0.f}};
     if (!q.fp4) {
-      st.template consume_piece<WFormat::FP8_BLOCK>(q, a, bs8, sas8, bzero);
+      st.template consume_piece<WFormat::FP8_BLOCK>(q, a, bs8, sas8, s_zero);
       if ((lane & 3) == 0) {  // token 0: lanes c == 0 hold it
         red[(warp * 16 + g) * 8] = a[0][0];
         red[(warp * 16 + g + 8) * 8] = a[0][1];
       }
     } else {
-      st.template consume_piece<WFormat::MXFP4>(q, a, bs4, sas4, bzero);
+      st.template consume_piece<WFormat::MXFP4>(q, a, bs4, sas4, s_zero);
       if ((lane & 3) == 0) {
         red[(warp * 16 + g) * 8] = a[0][0];
         red[(warp * 16 + g + 8) * 8] = a[0][1];
@@ -798,15 +797,12 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_ring_t1_kernel(const Dow
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
   uint4* ring = smem_mma + warp * (kRingU + 1) * 64;
-  DownSmem sm;
+  // QA8(h) in B order (stage_b_mma) of the routed slots (one row per slot) and of the shared expert
   uint32_t* base = reinterpret_cast<uint32_t*>(smem_mma + kWarps * (kRingU + 1) * 64);
-  sm.bs_r = base;
-  sm.sas_r = reinterpret_cast<float*>(sm.bs_r + static_cast<int64_t>(p.topk) * p.NBI * 16);
-  sm.bs_s = base + ((static_cast<int64_t>(p.topk) * p.NBI * 17 + 3) & ~int64_t{3});
-  sm.sas_s = reinterpret_cast<float*>(sm.bs_s + static_cast<int64_t>(p.NBI) * 16);
-  sm.part = part;
-  sm.order = order;
-  sm.bzero = reinterpret_cast<const uint32_t*>(s_zero);
+  uint32_t* bs_r = base;
+  float* sas_r = reinterpret_cast<float*>(base + static_cast<int64_t>(p.topk) * p.NBI * 16);
+  uint32_t* bs_s = base + ((static_cast<int64_t>(p.topk) * p.NBI * 17 + 3) & ~int64_t{3});
+  float* sas_s = reinterpret_cast<float*>(bs_s + static_cast<int64_t>(p.NBI) * 16);
 
   const int items = p.topk + 2 * p.has_shared;
   const int n_it = (items - warp + kWarps - 1) / kWarps;  // items of this warp per tile (0..2)
@@ -847,7 +843,16 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_ring_t1_kernel(const Dow
   auto st = make_stream<kRingU>(ring, lane, p.NBI, my_tiles * n_it, piece_at);
   st.start();
   dev::pdl_wait();  // h comes from the up kernel
-  down_stage(p, 0, blockIdx.x == 0 ? p.hq : nullptr, sm);
+  down_order(p, 0, order);
+  {
+    float* fq = blockIdx.x == 0 ? p.hq : nullptr;  // block 0 also writes QA8(h)
+    dev::stage_b_mma<WFormat::MXFP4, false>(bs_r, sas_r, p.NBI, p.topk, p.NBI, p.h, 0, p.I, 0, dev::kMx4MmaPrescale,
+                                            fq, p.I);
+    if (p.has_shared)
+      dev::stage_b_mma<WFormat::FP8_BLOCK, true>(bs_s, sas_s, p.NBI, 1, p.NBI, p.h, 0, p.I,
+                                                 static_cast<int64_t>(p.topk) * p.I, dev::fp8_mma_prescale<true>(),
+                                                 fq ? fq + static_cast<int64_t>(p.topk) * p.I : nullptr, p.I);
+  }
   __syncthreads();
   dev::pdl_launch_dependents();
   for (int ti = 0; ti < my_tiles; ++ti) {
@@ -856,10 +861,10 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_ring_t1_kernel(const Dow
       const Piece q = piece_at(ti * n_it + k);
       float a[1][2] = {{0.f, 0.f}};
       if (q.fp4)
-        st.template consume_piece<WFormat::MXFP4>(q, a, sm.bs_r + static_cast<int64_t>(it) * p.NBI * 16,
-                                                  sm.sas_r + static_cast<int64_t>(it) * p.NBI, sm.bzero);
+        st.template consume_piece<WFormat::MXFP4>(q, a, bs_r + static_cast<int64_t>(it) * p.NBI * 16,
+                                                  sas_r + static_cast<int64_t>(it) * p.NBI, s_zero);
       else
-        st.template consume_piece<WFormat::FP8_BLOCK>(q, a, sm.bs_s, sm.sas_s, sm.bzero);
+        st.template consume_piece<WFormat::FP8_BLOCK>(q, a, bs_s, sas_s, s_zero);
       if (c == 0) {
         part[it][g] = a[0][0];
         part[it][g + 8] = a[0][1];

@@ -1,0 +1,157 @@
+// Lean per-span code of the shared-ring tensor-core kernels (gemv.cu, moe.cu): the same
+// arithmetic as mma_slot_consume (gemv_device.cuh: f16 operands, one mma chain per
+// 32-element scale block per output column, f32 accumulation), one token pass (P = 1:
+// FP8 T <= 4, MXFP4 T <= 2), with every per-row and per-lane address computed once per
+// piece (16 rows x a span range) instead of once per span. The generic code recomputed
+// the clamped rows, scale rows and B addresses for every 1 KB span, about 200
+// instructions per span (SASS of the first ring kernel); here a span costs its loads,
+// conversions, mma and a few predicates.
+#pragma once
+#include "kernels/cuda/gemv_device.cuh"
+
+namespace dsx::cuda::dev {
+
+// Copy cursor of a lane over one piece: rows g and g+8 (clamped to row_last), spans
+// [s_lo, s_hi) of 64 bytes per row, this lane's 16 bytes at 16 c.
+struct RingLoad {
+  const uint8_t* pa = nullptr;  // row g at the next span
+  int64_t d8 = 0;               // row g+8 minus row g, bytes
+  int off = 0, rb = 0;          // this lane's offset in the row at the next span; row bytes
+  int left = 0;                 // spans left in the piece
+
+  __device__ __forceinline__ void set(const WView& W, int64_t row0, int64_t row_last, int s_lo, int s_hi, int lane) {
+    const int g = lane >> 2, c = lane & 3;
+    const int64_t rg = row0 + g < row_last ? row0 + g : row_last;
+    const int64_t rg8 = row0 + g + 8 < row_last ? row0 + g + 8 : row_last;
+    off = s_lo * 64 + 16 * c;
+    rb = static_cast<int>(W.row_bytes);
+    pa = W.w + rg * W.row_bytes + off;
+    d8 = (rg8 - rg) * W.row_bytes;
+    left = s_hi > s_lo ? s_hi - s_lo : 0;
+  }
+  // Copies the next span into slot (zeros past the row end or the piece) and commits.
+  __device__ __forceinline__ void issue(uint4* slot, int lane) {
+    const bool ok = left > 0 && off + 16 <= rb;
+    cp_async16_zfill(smem_u32(slot + lane), pa, ok);
+    cp_async16_zfill(smem_u32(slot + 32 + lane), pa + d8, ok);
+    cp_async_commit();
+    pa += 64;
+    off += 64;
+    left -= left > 0 ? 1 : 0;
+  }
+};
+
+// FP8_BLOCK consumer of a lane (hardware e4m3 -> f16; B staged by stage_b_mma<FP8, true>).
+struct Fp8Cons {
+  const uint8_t* srow;  // e8m0 tile row of the piece
+  const uint32_t* bB;   // this lane's B words at span 0 (B role), or nullptr
+  const float* saP;     // activation scales of this lane's C token, or nullptr
+  int wshift, NB;
+
+  __device__ __forceinline__ void set(const WView& W, int64_t row0, int64_t row_last, const uint32_t* bs,
+                                      const float* sas, int tstride, int nt, int NBk, int lane) {
+    const int g = lane >> 2, c = lane & 3;
+    const int64_t r0c = row0 < row_last ? row0 : row_last;
+    srow = W.s + (r0c >> W.wshift) * W.sc_cols;
+    wshift = W.wshift;
+    NB = NBk;
+    const int tb = g >> 1;  // B role: column g = 2 tb + blk, blk = g & 1 == c >> 1
+    bB = (((g & 1) == (c >> 1)) && tb < nt) ? bs + (static_cast<int64_t>(tb) * tstride + (c >> 1)) * 16 + (c & 1) * 8
+                                           : nullptr;
+    saP = c < nt ? sas + static_cast<int64_t>(c) * tstride : nullptr;  // C role: token c
+  }
+  __device__ __forceinline__ void span(const uint4* slot, int s, float (&acc)[2], const uint4* bzero, int lane) const {
+    const uint4 a = lds128(slot + lane), a8 = lds128(slot + 32 + lane);
+    const int kb0 = 2 * s;
+    const bool v0 = kb0 < NB, v1 = kb0 + 1 < NB;
+    const uint32_t sc0 = v0 ? static_cast<uint32_t>(__ldg(srow + ((kb0 * 32) >> wshift))) : 0u;
+    const uint32_t sc1 = v1 ? static_cast<uint32_t>(__ldg(srow + (((kb0 + 1) * 32) >> wshift))) : 0u;
+    const uint4* src = (bB && kb0 + ((lane & 3) >> 1) < NB) ? reinterpret_cast<const uint4*>(bB + kb0 * 16) : bzero;
+    const uint4 b01 = src[0], b23 = src[1];
+    uint32_t Pg[4], Qg[4], P8[4], Q8[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      fp8_to_f16x2<true>(word_of(a, i), Pg[i], Qg[i]);
+      fp8_to_f16x2<true>(word_of(a8, i), P8[i], Q8[i]);
+    }
+    float d[4] = {0.f, 0.f, 0.f, 0.f};
+    mma_f16_16816(d, Pg[0], P8[0], Qg[0], Q8[0], b01.x, b01.y);
+    mma_f16_16816(d, Pg[1], P8[1], Qg[1], Q8[1], b01.z, b01.w);
+    mma_f16_16816(d, Pg[2], P8[2], Qg[2], Q8[2], b23.x, b23.y);
+    mma_f16_16816(d, Pg[3], P8[3], Qg[3], Q8[3], b23.z, b23.w);
+    const float f0 = (saP && v0) ? e8m0_f32_nb(sc0) * saP[kb0] : 0.f;
+    const float f1 = (saP && v1) ? e8m0_f32_nb(sc1) * saP[kb0 + 1] : 0.f;
+    acc[0] = fmaf(d[0], f0, acc[0]);
+    acc[0] = fmaf(d[1], f1, acc[0]);
+    acc[1] = fmaf(d[2], f0, acc[1]);
+    acc[1] = fmaf(d[3], f1, acc[1]);
+  }
+};
+
+// MXFP4 consumer of a lane (B staged by stage_b_mma<MXFP4, false>, scales x 2^14).
+struct Fp4Cons {
+  const uint8_t* s0;   // e8m0 scales of row g at this lane's first block (2 (c & 1))
+  const uint8_t* s8;   // row g+8
+  const uint32_t* bB;  // this lane's B words at span 0 (B role), or nullptr
+  const float* saP;    // activation scales of this lane's C token at block 2 (c & 1), or nullptr
+  int NB;
+
+  __device__ __forceinline__ void set(const WView& W, int64_t row0, int64_t row_last, const uint32_t* bs,
+                                      const float* sas, int tstride, int nt, int NBk, int lane) {
+    const int g = lane >> 2, c = lane & 3;
+    const int64_t rg = row0 + g < row_last ? row0 + g : row_last;
+    const int64_t rg8 = row0 + g + 8 < row_last ? row0 + g + 8 : row_last;
+    s0 = W.s + rg * W.sc_cols + 2 * (c & 1);
+    s8 = W.s + rg8 * W.sc_cols + 2 * (c & 1);
+    NB = NBk;
+    const int tb = g >> 2;  // B role: column g = 4 tb + blk, blk = g & 3 == c
+    bB = (((g & 3) == c) && tb < nt) ? bs + (static_cast<int64_t>(tb) * tstride + c) * 16 : nullptr;
+    const int t = c >> 1;  // C role
+    saP = t < nt ? sas + static_cast<int64_t>(t) * tstride + 2 * (c & 1) : nullptr;
+  }
+  __device__ __forceinline__ void span(const uint4* slot, int s, float (&acc)[2], const uint4* bzero, int lane) const {
+    const uint4 a = lds128(slot + lane), a8 = lds128(slot + 32 + lane);
+    const int kb0 = 4 * s;
+    const int b0 = kb0 + 2 * (lane & 1);
+    const bool v0 = b0 < NB, v1 = b0 + 1 < NB;
+    const uint32_t g0 = v0 ? static_cast<uint32_t>(__ldg(s0 + kb0)) : 0u;
+    const uint32_t g1 = v1 ? static_cast<uint32_t>(__ldg(s0 + kb0 + 1)) : 0u;
+    const uint32_t h0 = v0 ? static_cast<uint32_t>(__ldg(s8 + kb0)) : 0u;
+    const uint32_t h1 = v1 ? static_cast<uint32_t>(__ldg(s8 + kb0 + 1)) : 0u;
+    const uint4* src = (bB && kb0 + (lane & 3) < NB) ? reinterpret_cast<const uint4*>(bB + kb0 * 16) : bzero;
+    uint4 bq[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) bq[j] = src[j];
+    uint32_t R[4][4], R8[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      fp4_to_f16x2(word_of(a, j), R[j][0], R[j][1], R[j][2], R[j][3]);
+      fp4_to_f16x2(word_of(a8, j), R8[j][0], R8[j][1], R8[j][2], R8[j][3]);
+    }
+    float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      mma_f16_16816(d, R[j][0], R8[j][0], R[j][2], R8[j][2], bq[j].x, bq[j].y);
+      mma_f16_16816(d, R[j][1], R8[j][1], R[j][3], R8[j][3], bq[j].z, bq[j].w);
+    }
+    const float sa0 = (saP && v0) ? saP[kb0] : 0.f;
+    const float sa1 = (saP && v1) ? saP[kb0 + 1] : 0.f;
+    acc[0] = fmaf(d[0], e8m0_f32_nb(g0) * sa0, acc[0]);
+    acc[0] = fmaf(d[1], e8m0_f32_nb(g1) * sa1, acc[0]);
+    acc[1] = fmaf(d[2], e8m0_f32_nb(h0) * sa0, acc[1]);
+    acc[1] = fmaf(d[3], e8m0_f32_nb(h1) * sa1, acc[1]);
+  }
+};
+
+template <WFormat F>
+struct RingCons;
+template <>
+struct RingCons<WFormat::FP8_BLOCK> {
+  using type = Fp8Cons;
+};
+template <>
+struct RingCons<WFormat::MXFP4> {
+  using type = Fp4Cons;
+};
+
+}  // namespace dsx::cuda::dev
