@@ -785,34 +785,44 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_ring_t1_kernel(const UpMma
   st.finish();
 }
 
-// moe_down_mma_t1_kernel on the ring: warp w streams items w, w + 8, ... (routed slot
-// j < topk: w2 of expert ids[j]; topk, topk + 1: the halves of the shared expert's I)
-// of every tile of D of its block.
-__global__ void __launch_bounds__(kThreads, 2) moe_down_ring_t1_kernel(const DownMmaParams p) {
+// moe_down_mma_t1_kernel on the ring, 16 warps: the 320-odd tiles of D do not divide
+// evenly over the resident blocks, so the blocks that get one tile more set the time;
+// with two warps per item (halves of its span range) a block streams a tile in half the
+// time. Items: routed slot j < topk (w2 of expert ids[j]); topk, topk + 1: the halves of
+// the shared expert's I. Piece 2 it + h = half h of item it; warp w streams pieces w,
+// w + 16, ... of every tile of its block.
+constexpr int kDownRingWarps = 16;
+constexpr int kDownRingThreads = kDownRingWarps * 32;
+constexpr size_t kDownRingBytes = static_cast<size_t>(kDownRingWarps) * (kRingU + 1) * 1024;
+
+__global__ void __launch_bounds__(kDownRingThreads, 1) moe_down_ring_t1_kernel(const DownMmaParams p) {
   extern __shared__ uint4 smem_mma[];
   __shared__ uint4 s_zero[4];
-  __shared__ float part[kMaxSlots + 2][16];
+  __shared__ float part[2 * (kMaxSlots + 2)][16];
   __shared__ int order[kMaxSlots];
   if (threadIdx.x < 4) s_zero[threadIdx.x] = make_uint4(0, 0, 0, 0);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
   uint4* ring = smem_mma + warp * (kRingU + 1) * 64;
   // QA8(h) in B order (stage_b_mma) of the routed slots (one row per slot) and of the shared expert
-  uint32_t* base = reinterpret_cast<uint32_t*>(smem_mma + kWarps * (kRingU + 1) * 64);
+  uint32_t* base = reinterpret_cast<uint32_t*>(smem_mma + kDownRingWarps * (kRingU + 1) * 64);
   uint32_t* bs_r = base;
   float* sas_r = reinterpret_cast<float*>(base + static_cast<int64_t>(p.topk) * p.NBI * 16);
   uint32_t* bs_s = base + ((static_cast<int64_t>(p.topk) * p.NBI * 17 + 3) & ~int64_t{3});
   float* sas_s = reinterpret_cast<float*>(bs_s + static_cast<int64_t>(p.NBI) * 16);
 
   const int items = p.topk + 2 * p.has_shared;
-  const int n_it = (items - warp + kWarps - 1) / kWarps;  // items of this warp per tile (0..2)
+  const int pieces = 2 * items;
+  const int n_pc = (pieces - warp + kDownRingWarps - 1) / kDownRingWarps;  // pieces of this warp per tile (0..2)
   const int my_tiles = (p.NTD - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) /
                        static_cast<int>(gridDim.x);
-  // The views of this warp's items. ids come from the router, two kernels back: it has
+  // The views of this warp's pieces. ids come from the router, two kernels back: it has
   // completed before the up kernel's blocks passed their grid dependency wait, which
   // precedes this grid's launch, so the weights can stream before this grid's wait.
   const int nspI = (p.I + 63) / 64, nspR = (p.I / 2 + 63) / 64;
-  auto view_of = [&](int it, Piece& q) {
+  auto view_of = [&](int pc, Piece& q) {
+    const int it = pc >> 1, h = pc & 1;
+    int lo, hi;
     if (it < p.topk) {
       const int e = p.ids[it];
       q.v.w = p.w2[e];
@@ -820,27 +830,29 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_ring_t1_kernel(const Dow
       q.v.row_bytes = p.I / 2;
       q.v.sc_cols = p.I / 32;
       q.fp4 = true;
-      q.s_lo = 0;
-      q.s_hi = nspR;
+      lo = 0;
+      hi = nspR;
     } else {
       const int hh = it - p.topk;
       q.v = p.sw2;
       q.fp4 = false;
-      q.s_lo = hh * nspI / 2;
-      q.s_hi = (hh + 1) * nspI / 2;
+      lo = hh * nspI / 2;
+      hi = (hh + 1) * nspI / 2;
     }
+    q.s_lo = lo + (hi - lo) * h / 2;
+    q.s_hi = lo + (hi - lo) * (h + 1) / 2;
     q.row_last = p.D - 1;
   };
   Piece v0, v1;
-  if (n_it > 0) view_of(warp, v0);
-  if (n_it > 1) view_of(warp + kWarps, v1);
+  if (n_pc > 0) view_of(warp, v0);
+  if (n_pc > 1) view_of(warp + kDownRingWarps, v1);
   auto piece_at = [&](int li) {
-    const int ti = li / n_it, k = li - ti * n_it;
+    const int ti = li / n_pc, k = li - ti * n_pc;
     Piece q = k == 0 ? v0 : v1;
     q.row0 = static_cast<int64_t>(static_cast<int>(blockIdx.x) + ti * static_cast<int>(gridDim.x)) * 16;
     return q;
   };
-  auto st = make_stream<kRingU>(ring, lane, p.NBI, my_tiles * n_it, piece_at);
+  auto st = make_stream<kRingU>(ring, lane, p.NBI, my_tiles * n_pc, piece_at);
   st.start();
   dev::pdl_wait();  // h comes from the up kernel
   down_order(p, 0, order);
@@ -856,9 +868,9 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_ring_t1_kernel(const Dow
   __syncthreads();
   dev::pdl_launch_dependents();
   for (int ti = 0; ti < my_tiles; ++ti) {
-    for (int k = 0; k < n_it; ++k) {
-      const int it = warp + k * kWarps;
-      const Piece q = piece_at(ti * n_it + k);
+    for (int k = 0; k < n_pc; ++k) {
+      const int pc = warp + k * kDownRingWarps, it = pc >> 1;
+      const Piece q = piece_at(ti * n_pc + k);
       float a[1][2] = {{0.f, 0.f}};
       if (q.fp4)
         st.template consume_piece<WFormat::MXFP4>(q, a, bs_r + static_cast<int64_t>(it) * p.NBI * 16,
@@ -866,8 +878,8 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_ring_t1_kernel(const Dow
       else
         st.template consume_piece<WFormat::FP8_BLOCK>(q, a, bs_s, sas_s, s_zero);
       if (c == 0) {
-        part[it][g] = a[0][0];
-        part[it][g + 8] = a[0][1];
+        part[pc][g] = a[0][0];
+        part[pc][g + 8] = a[0][1];
       }
     }
     __syncthreads();
@@ -878,7 +890,9 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_ring_t1_kernel(const Dow
         float tot = 0.0f;
         for (int s2 = 0; s2 < p.S; ++s2) {
           const int j = order[s2];
-          float v = j < p.topk ? part[j][rl] : part[p.topk][rl] + part[p.topk + 1][rl];
+          const int t0 = 2 * j;  // shared expert (j == topk): pieces 2 topk .. 2 topk + 3
+          float v = j < p.topk ? part[t0][rl] + part[t0 + 1][rl]
+                               : (part[t0][rl] + part[t0 + 1][rl]) + (part[t0 + 2][rl] + part[t0 + 3][rl]);
           if (p.bf16) v = round_bf16(v);
           tot += v;
         }
@@ -889,7 +903,6 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_ring_t1_kernel(const Dow
   }
   st.finish();
 }
-
 
 struct DecodeLayout {
   size_t hq = 0, part = 0, cnt = 0, h = 0, total = 0;
@@ -1015,16 +1028,16 @@ bool moe_decode_mma(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int
   if (T == 1 && moe_ring_enabled()) {
     const size_t smem1 = kRingBytes + 2 * (static_cast<size_t>(NB) * 64 + static_cast<size_t>((NB + 3) & ~3) * 4) +
                          kWarps * 16 * 8 * 4;
-    const size_t smemd = kRingBytes + smem_dn;
+    const size_t smemd = kDownRingBytes + smem_dn;
     if (smem1 <= detail::max_dynamic_smem(moe_up_ring_t1_kernel) &&
         smemd <= detail::max_dynamic_smem(moe_down_ring_t1_kernel)) {
       const int occ = detail::occupancy(moe_up_ring_t1_kernel, kThreads, smem1);
       const int64_t grid = std::min<int64_t>(n_up, static_cast<int64_t>(occ) * sm_count());
       detail::launch_pdl(moe_up_ring_t1_kernel, dim3(static_cast<unsigned>(grid)), dim3(kThreads), smem1, stream, up);
-      const int occd = detail::occupancy(moe_down_ring_t1_kernel, kThreads, smemd);
+      const int occd = detail::occupancy(moe_down_ring_t1_kernel, kDownRingThreads, smemd);
       const int64_t gridd = std::min<int64_t>(NTD, static_cast<int64_t>(occd) * sm_count());
-      detail::launch_pdl(moe_down_ring_t1_kernel, dim3(static_cast<unsigned>(gridd)), dim3(kThreads), smemd, stream,
-                         dn);
+      detail::launch_pdl(moe_down_ring_t1_kernel, dim3(static_cast<unsigned>(gridd)), dim3(kDownRingThreads), smemd,
+                         stream, dn);
       return true;
     }
   }
