@@ -49,6 +49,12 @@ bool hc_off_branch() {
   return v;
 }
 
+// DSX_BRANCHES=0: decode on the session stream only (no side-stream graph branches)
+bool branches_enabled() {
+  static const bool v = env_int("DSX_BRANCHES", 1) != 0;
+  return v;
+}
+
 // DSX_ATTN_MMA=0: CUDA-core attention in BF16 mode
 bool attn_mma_enabled() {
   static const bool v = env_int("DSX_ATTN_MMA", 1) != 0;
@@ -520,7 +526,7 @@ class CudaSession : public Session {
   void hc_site_pass(const HcPassArgs& p);
   // Decode runs independent chains concurrently on side streams (graph branches);
   // prefill and profiling keep one stream.
-  bool branches(int T) const { return T <= kGemvMaxT && !prof_.on(); }
+  bool branches(int T) const { return T <= kGemvMaxT && !prof_.on() && branches_enabled(); }
   // decode graph
   cudaGraphExec_t graph_ = nullptr;
   int decode_steps_ = 0;

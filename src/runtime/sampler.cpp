@@ -9,11 +9,25 @@
 
 namespace dsx {
 
+// Two passes: the largest value (eight independent running maxima, branch-free, so the
+// compiler vectorises it), then the first index holding it. A decode step's 129280
+// logits took ~130-300 us on the plain scan's one dependent compare chain. Same result
+// as the plain scan: the first index of the largest value; NaNs never win; a NaN at
+// index 0 returns 0 (nothing compares greater than it).
 int32_t argmax(const float* l, int64_t n) {
-  int64_t best = 0;
-  for (int64_t i = 1; i < n; ++i)
-    if (l[i] > l[best]) best = i;
-  return static_cast<int32_t>(best);
+  if (n <= 0 || std::isnan(l[0])) return 0;
+  constexpr int kLanes = 8;
+  float m[kLanes];
+  for (int j = 0; j < kLanes; ++j) m[j] = l[0];
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) m[j] = l[i + j] > m[j] ? l[i + j] : m[j];
+  float v = m[0];
+  for (int j = 1; j < kLanes; ++j) v = m[j] > v ? m[j] : v;
+  for (; i < n; ++i) v = l[i] > v ? l[i] : v;
+  for (i = 0; i < n; ++i)
+    if (l[i] == v) return static_cast<int32_t>(i);
+  return 0;
 }
 
 int32_t Sampler::sample(const float* l, int64_t n) {

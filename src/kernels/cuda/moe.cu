@@ -22,12 +22,6 @@ constexpr size_t kSmemBudget = 100 * 1024;
 constexpr int kMaxSlots = 16;
 constexpr int kDownRPW = 2;  // rows per warp unit of the down projection
 
-// DSX_MOE_UP_PERSIST=0: one block per up-projection tile also for one token
-bool moe_up_persistent() {
-  static const bool v = env_int("DSX_MOE_UP_PERSIST", 1) != 0;
-  return v;
-}
-
 size_t align256(size_t v) { return (v + 255) & ~static_cast<size_t>(255); }
 
 // ---------------------------------------------------------------------------------
@@ -359,95 +353,6 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_mma_kernel(const UpMmaPara
   }
 }
 
-// One-token variant of moe_up_mma_kernel: a persistent grid (resident blocks) walks
-// the units (shared tiles first, then (slot, tile) of the routed experts) in strides of
-// the grid, so each block stages the activation (QA8, in the B layout of each format it
-// meets) once instead of once per 16-row tile. Same arithmetic per unit.
-__global__ void __launch_bounds__(kThreads, 2) moe_up_mma_t1_kernel(const UpMmaParams p) {
-  extern __shared__ uint4 smem_mma[];
-  __shared__ uint4 s_zero[4];
-  if (threadIdx.x < 4) s_zero[threadIdx.x] = make_uint4(0, 0, 0, 0);
-  const uint32_t* bzero = reinterpret_cast<const uint32_t*>(s_zero);
-  // [FP8 B fragments | FP8 scales | MXFP4 B fragments | MXFP4 scales | red]
-  const int nbp = (p.NB + 3) & ~3;  // scale rows padded to 16 bytes
-  uint32_t* bs8 = reinterpret_cast<uint32_t*>(smem_mma);
-  float* sas8 = reinterpret_cast<float*>(bs8 + static_cast<int64_t>(p.NB) * 16);
-  uint32_t* bs4 = reinterpret_cast<uint32_t*>(sas8 + nbp);
-  float* sas4 = reinterpret_cast<float*>(bs4 + static_cast<int64_t>(p.NB) * 16);
-  float* red = sas4 + nbp;  // [8 warps][16 rows][8]
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int m = warp >> 2, kq = warp & 3;  // matrix (0: w1, 1: w3), quarter of D
-  const int g = lane >> 2;
-  const int n_units = p.n_sblocks + p.topk * p.NTI;
-  dev::pdl_wait();
-  bool have8 = false, have4 = false;
-  for (int unit = blockIdx.x; unit < n_units; unit += gridDim.x) {
-    const bool shared = unit < p.n_sblocks;  // block-uniform
-    int j = p.topk, tile;
-    float wj = 1.0f;
-    dev::WView v;
-    if (shared) {
-      tile = unit;
-      v = m == 0 ? p.sw1 : p.sw3;
-      if (!have8) {
-        dev::stage_b_mma<WFormat::FP8_BLOCK, false>(bs8, sas8, p.NB, 1, p.NB, p.x, p.xt, p.ldx, 0,
-                                                    dev::fp8_mma_prescale<false>());
-        have8 = true;
-        __syncthreads();
-      }
-    } else {
-      const int u = unit - p.n_sblocks;
-      j = u / p.NTI;
-      tile = u % p.NTI;
-      const int e = p.ids[j];
-      wj = p.wts[j];
-      v.w = m == 0 ? p.w1[e] : p.w3[e];
-      v.s = m == 0 ? p.w1s[e] : p.w3s[e];
-      v.row_bytes = p.D / 2;
-      v.sc_cols = p.D / 32;
-      if (!have4) {
-        dev::stage_b_mma<WFormat::MXFP4, false>(bs4, sas4, p.NB, 1, p.NB, p.x, p.xt, p.ldx, 0, dev::kMx4MmaPrescale);
-        have4 = true;
-        __syncthreads();
-      }
-    }
-    if (unit + static_cast<int>(gridDim.x) >= n_units) dev::pdl_launch_dependents();  // last unit of this block
-    const int nsp = static_cast<int>((v.row_bytes + 63) / 64);
-    const int s_lo = nsp * kq / 4, s_hi = nsp * (kq + 1) / 4;
-    const int64_t row0 = static_cast<int64_t>(tile) * 16;
-    float a[1][2] = {{0.f, 0.f}};
-    if (shared) {
-      stream_tile<WFormat::FP8_BLOCK, 1, 4>(v, row0, p.I - 1, s_lo, s_hi, p.NB, bs8, sas8, p.NB, 1, a, lane, bzero);
-      const int tt = dev::mma_acc_token<WFormat::FP8_BLOCK>(0, lane);
-      if (tt < 1) {
-        red[(warp * 16 + g) * 8] = a[0][0];
-        red[(warp * 16 + g + 8) * 8] = a[0][1];
-      }
-    } else {
-      stream_tile<WFormat::MXFP4, 1, 4>(v, row0, p.I - 1, s_lo, s_hi, p.NB, bs4, sas4, p.NB, 1, a, lane, bzero);
-      if ((lane & 3) == 0) {
-        red[(warp * 16 + g) * 8] = a[0][0];
-        red[(warp * 16 + g + 8) * 8] = a[0][1];
-      }
-    }
-    __syncthreads();
-    if (threadIdx.x < 16) {
-      const int rl = threadIdx.x;
-      const int row = tile * 16 + rl;
-      if (row < p.I) {
-        float gs = 0.f, us = 0.f;
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          gs += red[(q * 16 + rl) * 8];
-          us += red[((4 + q) * 16 + rl) * 8];
-        }
-        p.h[static_cast<int64_t>(j) * p.I + row] = dev::swiglu_h(gs, us, wj, p.lim, p.bf16);
-      }
-    }
-    __syncthreads();  // red is reused by the next unit
-  }
-}
-
 constexpr int kDownU = 4;
 // One 16-row tile of one down-projection slot (kept out of line: one register budget
 // per weight format).
@@ -595,27 +500,12 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_mma_kernel(const DownMma
   down_tile_out(p, t, tile, sm);
 }
 
-// One token: a persistent grid walks the tiles of D in strides of the grid, staging
-// QA8(h) once per block (block 0 owns tile 0 and writes h).
-__global__ void __launch_bounds__(kThreads, 2) moe_down_mma_t1_kernel(const DownMmaParams p) {
-  const DownSmem sm = down_smem(p);
-  dev::pdl_wait();
-  down_stage(p, 0, blockIdx.x == 0 ? p.hq : nullptr, sm);
-  __syncthreads();
-  dev::pdl_launch_dependents();
-  for (int tile = blockIdx.x; tile < p.NTD; tile += gridDim.x) {
-    down_tile_out(p, 0, tile, sm);
-    __syncthreads();  // part is reused by the next tile
-  }
-}
-
-
 // ---------------------------------------------------------------------------------
 // One-token kernels on the shared-memory span ring (gemv_device.cuh): each warp walks a
 // sequence of pieces (16 rows x a span range of one weight matrix) and its copies run
 // U spans ahead across piece boundaries, so a warp's stream never drains between
-// units. Same arithmetic per piece as stream_tile. DSX_MOE_RING=0: the register-ring
-// kernels above.
+// units. Same arithmetic per piece as stream_tile. DSX_MOE_RING=0: the per-tile
+// register-ring kernels above (as for T > 1).
 constexpr int kRingU = 8;
 constexpr size_t kRingBytes = static_cast<size_t>(kWarps) * (kRingU + 1) * 1024;
 
@@ -684,8 +574,12 @@ __device__ SpanStream<U, PieceAt> make_stream(uint4* ring, int lane, int NB, int
   return SpanStream<U, PieceAt>{ring, lane, NB, count, at};
 }
 
-// moe_up_mma_t1_kernel on the ring. Shared memory: [rings | FP8 B | scales | MXFP4 B |
-// scales | red].
+// Up projection of one token: a persistent grid (resident blocks) walks the units
+// (shared-expert tiles first, then (slot, tile) of the routed experts) in strides of
+// the grid; a block stages the activation (QA8, in the B order of each format it meets)
+// once; its 8 warps stream w1 and w3 (quarters of D) of each unit, whose sums are added
+// in a fixed order, then SwiGLU and the routing weight. Shared memory: [rings | FP8 B |
+// scales | MXFP4 B | scales | red].
 __global__ void __launch_bounds__(kThreads, 2) moe_up_ring_t1_kernel(const UpMmaParams p) {
   extern __shared__ uint4 smem_mma[];
   __shared__ uint4 s_zero[4];
@@ -785,10 +679,11 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_ring_t1_kernel(const UpMma
   st.finish();
 }
 
-// moe_down_mma_t1_kernel on the ring, 16 warps: the 320-odd tiles of D do not divide
-// evenly over the resident blocks, so the blocks that get one tile more set the time;
-// with two warps per item (halves of its span range) a block streams a tile in half the
-// time. Items: routed slot j < topk (w2 of expert ids[j]); topk, topk + 1: the halves of
+// Down projection of one token, a persistent grid walking the 16-row tiles of D, 16
+// warps per block: the 320-odd tiles do not divide evenly over the resident blocks, so
+// the blocks that get one tile more set the time; with two warps per item (halves of
+// its span range) a block streams a tile in half the time (8 warps: 41 -> 32 us). The
+// slot outputs are added in the reference order (ascending expert id, shared last). Items: routed slot j < topk (w2 of expert ids[j]); topk, topk + 1: the halves of
 // the shared expert's I. Piece 2 it + h = half h of item it; warp w streams pieces w,
 // w + 16, ... of every tile of its block.
 constexpr int kDownRingWarps = 16;
@@ -1038,22 +933,6 @@ bool moe_decode_mma(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int
       const int64_t gridd = std::min<int64_t>(NTD, static_cast<int64_t>(occd) * sm_count());
       detail::launch_pdl(moe_down_ring_t1_kernel, dim3(static_cast<unsigned>(gridd)), dim3(kDownRingThreads), smemd,
                          stream, dn);
-      return true;
-    }
-  }
-  if (T == 1 && moe_up_persistent()) {
-    const size_t smem1 = 2 * (static_cast<size_t>(NB) * 64 + static_cast<size_t>((NB + 3) & ~3) * 4) + kWarps * 16 * 8 * 4;
-    if (smem1 <= detail::max_dynamic_smem(moe_up_mma_t1_kernel)) {
-      const int occ = detail::occupancy(moe_up_mma_t1_kernel, kThreads, smem1);
-      const int64_t grid = std::min<int64_t>(n_up, static_cast<int64_t>(occ) * sm_count());
-      detail::launch_pdl(moe_up_mma_t1_kernel, dim3(static_cast<unsigned>(grid)), dim3(kThreads), smem1, stream, up);
-      if (smem_dn <= detail::max_dynamic_smem(moe_down_mma_t1_kernel)) {
-        const int occd = detail::occupancy(moe_down_mma_t1_kernel, kThreads, smem_dn);
-        const int64_t gridd = std::min<int64_t>(NTD, static_cast<int64_t>(occd) * sm_count());
-        detail::launch_pdl(moe_down_mma_t1_kernel, dim3(static_cast<unsigned>(gridd)), dim3(kThreads), smem_dn, stream, dn);
-      } else {
-        detail::launch_pdl(moe_down_mma_kernel, dim3(static_cast<unsigned>(T * NTD)), dim3(kThreads), smem_dn, stream, dn);
-      }
       return true;
     }
   }
