@@ -111,6 +111,26 @@ __device__ __forceinline__ void decode_rows(const AttnParams& p, int t, int c0, 
   }
 }
 
+// Output of one head without row splits: the softmax denominator includes the head's
+// sink logit (spec §3.4.7); returns the factor for the accumulated values.
+__device__ __forceinline__ float sink_scale(float m, float l, float sink) {
+  const float M = fmaxf(m, sink);
+  const float f = expf(m - M);
+  return f / (l * f + expf(sink - M));
+}
+// Inverse RoPE of the output pair (v0, v1) at dims d, d + 1 when they are rope dims
+// (d >= off; inv_freq null: no rope), rounded as a store into T.
+template <typename T>
+__device__ __forceinline__ void out_rope_pair(float& v0, float& v1, int d, int off, float fpos,
+                                              const float* __restrict__ inv_freq) {
+  if (!inv_freq || d < off) return;
+  float c, sn, ra, rb;
+  rope_cs(fpos, inv_freq[(d - off) >> 1], c, sn);
+  rope_pair(v0, v1, c, sn, true, ra, rb);
+  v0 = rnd<T>(ra);
+  v1 = rnd<T>(rb);
+}
+
 template <typename T, int HD, int HB>
 __global__ void __launch_bounds__(HB * 16) attn_kernel(AttnParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -219,11 +239,7 @@ __global__ void __launch_bounds__(HB * 16) attn_kernel(AttnParams p) {
   auto emit = [&](int hl, float m, float l, const float(&acc)[DPL]) {
     const int h = hg * HB + hl;
     if (S == 1) {
-      const float sink = p.sink[h];
-      const float M = fmaxf(m, sink);
-      const float f = expf(m - M);
-      const float den = l * f + expf(sink - M);
-      const float sc = f / den;
+      const float sc = sink_scale(m, l, p.sink[h]);
       T* o = static_cast<T*>(p.out) + (static_cast<int64_t>(t) * p.H + h) * HD;
       const int off = HD - 2 * p.n_pairs;
       const float fpos = static_cast<float>(pos);
@@ -233,19 +249,8 @@ __global__ void __launch_bounds__(HB * 16) attn_kernel(AttnParams p) {
 #pragma unroll
         for (int e = 0; e < V; ++e) val[e] = rnd<T>(acc[g * V + e] * sc);
         const int d0 = g * 32 * V + lane * V;
-        if (p.inv_freq) {
 #pragma unroll
-          for (int e = 0; e < V; e += 2) {
-            const int d = d0 + e;
-            if (d >= off) {
-              float c, sn, ra, rb2;
-              rope_cs(fpos, p.inv_freq[(d - off) >> 1], c, sn);
-              rope_pair(val[e], val[e + 1], c, sn, true, ra, rb2);
-              val[e] = rnd<T>(ra);
-              val[e + 1] = rnd<T>(rb2);
-            }
-          }
-        }
+        for (int e = 0; e < V; e += 2) out_rope_pair<T>(val[e], val[e + 1], d0 + e, off, fpos, p.inv_freq);
 #pragma unroll
         for (int e = 0; e < V; ++e) st(o, d0 + e, val[e]);
       }
@@ -436,11 +441,7 @@ __global__ void __launch_bounds__(128) attn_mma_kernel(AttnParams p) {
     const int h = hg * 16 + hl;
     const float m = m_s[hl], l = l_s[hl];
     if (S == 1) {
-      const float sink = p.sink[h];
-      const float M = fmaxf(m, sink);
-      const float f = expf(m - M);
-      const float den = l * f + expf(sink - M);
-      const float scl = f / den;
+      const float scl = sink_scale(m, l, p.sink[h]);
       bf16* o = static_cast<bf16*>(p.out) + (static_cast<int64_t>(t) * p.H + h) * HD;
       const int off = HD - 2 * p.n_pairs;
       const float fpos = static_cast<float>(pos);
@@ -448,13 +449,7 @@ __global__ void __launch_bounds__(128) attn_mma_kernel(AttnParams p) {
       for (int j = 0; j < NTW; ++j) {
         const int d = warp * (HD / 4) + j * 8 + 2 * tig;
         float v0 = round_bf16_dev(acc[j][2 * which] * scl), v1 = round_bf16_dev(acc[j][2 * which + 1] * scl);
-        if (p.inv_freq && d >= off) {
-          float c, sn, ra, rb2;
-          rope_cs(fpos, p.inv_freq[(d - off) >> 1], c, sn);
-          rope_pair(v0, v1, c, sn, true, ra, rb2);
-          v0 = round_bf16_dev(ra);
-          v1 = round_bf16_dev(rb2);
-        }
+        out_rope_pair<bf16>(v0, v1, d, off, fpos, p.inv_freq);
         o[d] = __float2bfloat16_rn(v0);
         o[d + 1] = __float2bfloat16_rn(v1);
       }

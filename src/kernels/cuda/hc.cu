@@ -27,13 +27,6 @@ constexpr int kFinishWarps = kFinishThreads / 32;
 constexpr int kZPerWarp = kHcMix / (kFinishWarps - 1);  // z sums per warp of the mix block (the last: Σx²)
 static_assert(kHcMix % kNarrowWarps == 0 && kHcMix % (kFinishWarps - 1) == 0, "hc work split");
 
-// DSX_HC_OLD = 1: the previous launch structure (wide pass at every T, one-block
-// finish, no programmatic dependent launch), for comparisons on the GPU. Read once.
-bool hc_old() {
-  static const bool v = env_int("DSX_HC_OLD", 0) != 0;
-  return v;
-}
-
 // Workspace: z partials [T][24][ns] f32, then the Σx² / Σc² partials [T][2][ns] f64
 // (partial i comes from column chunk i; rows are contiguous so that hc_finish reads
 // them coalesced).
@@ -380,80 +373,6 @@ __global__ void __launch_bounds__(kFinishThreads) hc_finish_kernel(const FinishP
   }
 }
 
-// The previous one-block-per-token finish (DSX_HC_OLD = 1): serial partial sums,
-// Sinkhorn, then the norm by the same block.
-template <typename T>
-__global__ void hc_finish_old_kernel(const FinishParams p) {
-  const int t = blockIdx.x;
-  const int ns = p.ns;
-  const int64_t D = p.D;
-  __shared__ float z[kHcMix];
-  if (p.mix_blocks) {
-    if (threadIdx.x < kHcMix) {
-      float s = 0.0f;
-      for (int i = 0; i < ns; ++i) s += p.wz[(static_cast<int64_t>(t) * kHcMix + threadIdx.x) * ns + i];
-      z[threadIdx.x] = s;
-    }
-    __syncthreads();
-    if (threadIdx.x < 32) {
-      const int lane = threadIdx.x;
-      double ss = 0.0;
-      for (int i = 0; i < ns; ++i) ss += p.wss[static_cast<int64_t>(t) * 2 * ns + i];
-      const float nu = 1.0f / sqrtf(static_cast<float>(ss / static_cast<double>(kM * D)) + p.eps);
-      if (lane < kM) {
-        p.pre_out[t * kM + lane] = sigmoid_dev(fmaf(z[lane] * nu, p.scale[0], p.base[lane])) + p.hc_eps;
-        p.post_out[t * kM + lane] = 2.0f * sigmoid_dev(fmaf(z[kM + lane] * nu, p.scale[1], p.base[kM + lane]));
-      }
-      const int e = lane < kM * kM ? lane : 0;
-      const int j = e / kM, k = e % kM;
-      float c = fmaf(z[2 * kM + e] * nu, p.scale[2], p.base[2 * kM + e]);
-      constexpr unsigned kAll = 0xffffffffu;
-      auto row_sum = [&](float v) {
-        float r = 0.0f;
-#pragma unroll
-        for (int kk = 0; kk < kM; ++kk) r += __shfl_sync(kAll, v, j * kM + kk);
-        return r;
-      };
-      auto col_sum = [&](float v) {
-        float r = 0.0f;
-#pragma unroll
-        for (int jj = 0; jj < kM; ++jj) r += __shfl_sync(kAll, v, jj * kM + k);
-        return r;
-      };
-      float mx = -INFINITY;
-#pragma unroll
-      for (int kk = 0; kk < kM; ++kk) mx = fmaxf(mx, __shfl_sync(kAll, c, j * kM + kk));
-      c = expf(c - mx);
-      c = c / row_sum(c) + p.hc_eps;
-      c /= (col_sum(c) + p.hc_eps);
-      for (int it = 1; it < p.iters; ++it) {
-        c /= (row_sum(c) + p.hc_eps);
-        c /= (col_sum(c) + p.hc_eps);
-      }
-      if (lane < kM * kM) p.comb_out[t * kM * kM + lane] = c;
-    }
-  }
-  if (p.out) {
-    double ss = 0.0;
-    for (int i = 0; i < ns; ++i) ss += p.wss[(static_cast<int64_t>(t) * 2 + 1) * ns + i];
-    const float r = 1.0f / sqrtf(static_cast<float>(ss / static_cast<double>(D)) + p.eps);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const int64_t row = static_cast<int64_t>(t) * D;
-    const T* collapsed = static_cast<const T*>(p.collapsed);
-    for (int64_t b = warp; b < D / 32; b += nw) {
-      const int64_t dd = b * 32 + lane;
-      const float c = ld(collapsed, row + dd);
-      const float v = rnd<T>(p.w[dd] * (c * r));
-      st(static_cast<T*>(p.out), row + dd, v);
-      if (p.qc) {
-        const QCode q = fq8_group(v);
-        p.qc[row + dd] = q.code;
-        if (lane == 0) p.qs[t * (D / 32) + b] = q.scale;
-      }
-    }
-  }
-}
-
 template <typename T>
 __global__ void hc_mean_kernel(int64_t D, const T* __restrict__ X, T* __restrict__ out) {
   const int t = blockIdx.y;
@@ -485,7 +404,7 @@ void launch(void (*kern)(P), dim3 grid, dim3 block, bool pdl, cudaStream_t strea
 }  // namespace
 
 int hc_splits(int T, int64_t D) {
-  return (T < kWideT && !hc_old()) ? static_cast<int>(D / kNarrow) : static_cast<int>(D / kWide);
+  return T < kWideT ? static_cast<int>(D / kNarrow) : static_cast<int>(D / kWide);
 }
 
 size_t hc_work_bytes(int T, int64_t D) {
@@ -512,17 +431,14 @@ void hc_pass(Act act, const HcPassArgs& a, cudaStream_t stream) {
   p.collapsed = a.collapsed;
   p.wz = static_cast<float*>(a.work);
   p.wss = reinterpret_cast<double*>(static_cast<char*>(a.work) + z_bytes(a.T, p.ns));
-  const bool old = hc_old(), pdl = !old && pdl_enabled();
+  const bool pdl = pdl_enabled();
   DSX_DISPATCH_ACT(act, T, {
-    if (a.T < kWideT && !old) {
+    if (a.T < kWideT) {
       const dim3 grid(static_cast<unsigned>(p.ns), static_cast<unsigned>(a.T));
       launch(hc_pass_narrow_kernel<T>, grid, dim3(a.fn ? 32 * kNarrowWarps : 32), pdl, stream, p);
-    } else if (a.T >= kWideT) {
+    } else {
       launch(hc_pass_wide_kernel<T, 8>, dim3(static_cast<unsigned>(p.ns), static_cast<unsigned>((a.T + 7) / 8)),
              dim3(kWide), pdl, stream, p);
-    } else {
-      launch(hc_pass_wide_kernel<T, 1>, dim3(static_cast<unsigned>(p.ns), static_cast<unsigned>(a.T)), dim3(kWide), pdl,
-             stream, p);
     }
   });
   check_launch("hc_pass");
@@ -555,14 +471,9 @@ void hc_finish(Act act, const HcFinishArgs& a, cudaStream_t stream) {
   p.qs = a.q_scales;
   const int blocks = p.mix_blocks + (a.norm_out ? static_cast<int>(a.D / kFinishThreads) : 0);
   if (blocks == 0) return;
-  if (hc_old()) {
-    DSX_DISPATCH_ACT(act, T,
-                     launch(hc_finish_old_kernel<T>, dim3(static_cast<unsigned>(a.T)), dim3(256), false, stream, p));
-  } else {
-    DSX_DISPATCH_ACT(act, T,
-                     launch(hc_finish_kernel<T>, dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(a.T)),
-                            dim3(kFinishThreads), pdl_enabled(), stream, p));
-  }
+  DSX_DISPATCH_ACT(act, T,
+                   launch(hc_finish_kernel<T>, dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(a.T)),
+                          dim3(kFinishThreads), pdl_enabled(), stream, p));
   check_launch("hc_finish");
 }
 

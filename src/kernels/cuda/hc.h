@@ -36,9 +36,7 @@
 // (X, y, post, comb, pre, the partials, the collapsed row) and every global write come
 // after it, and the dependents are released right after the wait. The partials are
 // stored [T][24][ns] f32 and [T][2][ns] f64 in `work`, every value written by exactly
-// one block: results are deterministic (no atomics). DSX_HC_OLD=1 selects the previous
-// launch structure (wide pass at every T, one block per token for the finish, no PDL)
-// for comparisons.
+// one block: results are deterministic (no atomics).
 //
 // Arithmetic follows V41Cpu: expand = fma chains in stream order, collapse = fma chain,
 // Σx² in double. Differences from the CPU are reduction order only (and z is scaled by ν
