@@ -24,12 +24,14 @@
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/quant.h"
 #include "kernels/cpu/twin_attn.h"
+#include "kernels/cuda/argmax.h"
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/engram_gate.h"
 #include "kernels/cuda/hc.h"
 #include "kernels/cuda/kv_cache.h"
 #include "cuda_test_util.h"
+#include "runtime/sampler.h"
 #include "util/numerics.h"
 
 using namespace dsx;
@@ -597,6 +599,32 @@ TEST(CudaEngram, GatherAndGate) {
         }
       EXPECT_EQ(bad, 0u) << "engram gate, D " << D << (bf ? " bf16" : " f32");
     }
+}
+
+// The device argmax against the host one (runtime/sampler.h) on rows with ties, signed
+// zeros, infinities and NaNs, strided rows, and a vocabulary-sized row.
+TEST(CudaArgmax, MatchesHostArgmax) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(41);
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  const float specials[6] = {nan, inf, -inf, -nan, 0.0f, -0.0f};
+  for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{1000}, int64_t{4099}, int64_t{129280}}) {
+    const int rows = 6;
+    const int64_t ld = n + 3;
+    std::vector<float> x(static_cast<size_t>(rows * ld), 0.0f);
+    for (int r = 0; r < rows; ++r) {
+      const int levels = 1 + r;  // few levels: many ties
+      for (int64_t i = 0; i < n; ++i) x[r * ld + i] = static_cast<float>(static_cast<int>(rng() % levels));
+      for (int k = 0; k < r; ++k) x[r * ld + static_cast<int64_t>(rng() % n)] = specials[rng() % 6];
+    }
+    if (n > 1) x[5 * ld + 0] = nan;  // a NaN at index 0
+    DeviceBuffer dx(x.size() * 4), dout(rows * 4);
+    dx.upload(x.data(), x.size() * 4);
+    cuda::argmax_rows(dx.as<float>(), ld, rows, n, dout.as<int32_t>(), nullptr);
+    std::vector<int32_t> got(rows);
+    dout.download(got.data(), rows * 4);
+    for (int r = 0; r < rows; ++r) EXPECT_EQ(got[r], argmax(x.data() + r * ld, n)) << "n " << n << " row " << r;
+  }
 }
 
 #endif  // DSX_HAVE_CUDA

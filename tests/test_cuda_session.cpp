@@ -10,6 +10,7 @@
 #include "cli/golden_check.h"
 #include "kernels/cuda/cuda_util.h"
 #include "runtime/engine.h"
+#include "runtime/sampler.h"
 #include "test_util.h"
 #include "util/safetensors.h"
 
@@ -91,6 +92,31 @@ TEST(CudaSession, SaveRestoreRollbackAndCrossBackend) {
   for (int64_t t = 0; t < 12; ++t) {
     EXPECT_LE(row_rel_l2(lc.data() + t * V, lref.data() + t * V, V), 1e-4) << "row " << 77 + t;
     EXPECT_LE(row_rel_l2(la.data() + t * V, lref.data() + t * V, V), 1e-4) << "GPU vs CPU row " << 77 + t;
+  }
+}
+
+// feed_greedy picks on the device what argmax picks from feed's logits, step by step
+// (prefill chunk, then single tokens), and leaves the same state.
+TEST(CudaSession, FeedGreedyMatchesHostArgmax) {
+  if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+  DSX_REQUIRE_GOLDEN(gdir);
+  Case c = golden_case(gdir);
+  for (const char* prec : {"fp32", "bf16"}) {
+    EngineOptions o;
+    o.backend = "cuda";
+    o.precision = prec;
+    o.max_context = 512;
+    auto gpu = load_engine(c.dir, o);
+    const int64_t V = gpu->config().vocab_size;
+    auto a = gpu->new_session(), b = gpu->new_session();
+    std::vector<float> l(static_cast<size_t>(V));
+    a->feed(c.ids.data(), 40, l.data(), false);
+    EXPECT_EQ(b->feed_greedy(c.ids.data(), 40), argmax(l.data(), V)) << prec;
+    for (int64_t t = 40; t < 60; ++t) {  // eager steps, then the captured graph
+      a->feed(c.ids.data() + t, 1, l.data(), false);
+      EXPECT_EQ(b->feed_greedy(c.ids.data() + t, 1), argmax(l.data(), V)) << prec << " position " << t;
+    }
+    EXPECT_EQ(a->save(), b->save()) << prec;
   }
 }
 #endif  // DSX_HAVE_CUDA

@@ -36,6 +36,9 @@ class GoldenEngine : public Engine {
       int64_t position() const override { return st.pos; }
       const std::vector<int32_t>& tokens() const override { return st.tokens; }
       void feed(const int32_t* ids, int64_t n, float* l, bool all) override { m.forward(st, ids, n, l, all); }
+      int32_t feed_greedy(const int32_t* ids, int64_t n) override {
+        return feed_greedy_on_host(ids, n, m.config().vocab_size);
+      }
       std::vector<uint8_t> save() const override { return st.save(); }
       void restore(const std::vector<uint8_t>& b) override { st.restore(b.data(), b.size()); }
       void rollback(int64_t p) override { st.rollback(p); }

@@ -16,6 +16,7 @@
 #include "model/make_tiny_quant.h"
 #include "model/v4_cpu.h"
 #include "runtime/engine.h"
+#include "runtime/sampler.h"
 #include "test_util.h"
 #include "util/error.h"
 #include "util/mmap_file.h"
@@ -388,6 +389,15 @@ TEST(SessionV4, EngineInterfaceAndSnapshots) {
   s2->restore(snap);
   s2->feed(f.prompt.data() + 90, 1, b.data(), false);
   EXPECT_EQ(a, b);
+  // feed_greedy = feed + argmax of the last row, and advances the same way
+  auto s3 = eng->new_session();
+  s3->restore(snap);
+  EXPECT_EQ(s3->feed_greedy(f.prompt.data() + 90, 1), argmax(a.data(), kVocab));
+  std::vector<float> c(kVocab);
+  s2->rollback(91);
+  s2->feed(f.prompt.data() + 91, 2, c.data(), false);
+  EXPECT_EQ(s3->feed_greedy(f.prompt.data() + 91, 2), argmax(c.data(), kVocab));
+  EXPECT_EQ(s3->save(), s2->save());
   s2->rollback(85);
   EXPECT_EQ(s2->position(), 85);
   EXPECT_GT(s2->state_bytes(), 0);

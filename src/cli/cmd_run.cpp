@@ -71,15 +71,20 @@ int cmd_run(int argc, char** argv) {
     if (id >= cfg.vocab_size) fail("the tokenizer produced id ", id, " beyond the model's vocabulary (", cfg.vocab_size, ")");
   std::vector<float> logits(static_cast<size_t>(cfg.vocab_size));
   auto s = eng->new_session();
-  s->feed(ids.data(), static_cast<int64_t>(ids.size()), logits.data(), false);
+  // feed and choose the next id (greedy: on the backend, without copying the logits out)
+  auto advance = [&](const int32_t* in, int64_t k) -> int32_t {
+    if (so.temperature <= 0.0f) return s->feed_greedy(in, k);
+    s->feed(in, k, logits.data(), false);
+    return sampler.sample(logits.data(), cfg.vocab_size);
+  };
   text::StreamDecoder dec(tok);
+  int32_t next = advance(ids.data(), static_cast<int64_t>(ids.size()));
   for (int64_t i = 0; i < n; ++i) {
-    int32_t next = sampler.sample(logits.data(), cfg.vocab_size);
     if (next == cfg.eos_id) break;
     std::string piece = dec.push(next);
     std::fwrite(piece.data(), 1, piece.size(), stdout);
     std::fflush(stdout);
-    if (i + 1 < n) s->feed(&next, 1, logits.data(), false);
+    if (i + 1 < n) next = advance(&next, 1);
   }
   std::string tail = dec.flush();
   std::fwrite(tail.data(), 1, tail.size(), stdout);

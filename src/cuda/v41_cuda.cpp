@@ -16,6 +16,7 @@
 #include <string>
 
 #include "cuda/step_kernels.h"
+#include "kernels/cuda/argmax.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/compressor.h"
 #include "kernels/cuda/cuda_util.h"
@@ -449,6 +450,7 @@ class CudaSession : public Session {
   int64_t position() const override { return pos_; }
   const std::vector<int32_t>& tokens() const override { return tokens_; }
   void feed(const int32_t* ids, int64_t n, float* logits, bool all_rows) override;
+  int32_t feed_greedy(const int32_t* ids, int64_t n) override;
   std::vector<uint8_t> save() const override;
   void restore(const std::vector<uint8_t>& snapshot) override;
   void rollback(int64_t position) override;
@@ -480,6 +482,7 @@ class CudaSession : public Session {
   // step buffers
   Arena buf_;
   int32_t* d_ids_ = nullptr;
+  int32_t* d_pick_ = nullptr;  // feed_greedy's id
   int64_t* d_engram_ids_ = nullptr;
   int64_t* d_iota_ = nullptr;
   uint8_t *engram_stage_ = nullptr, *engram_stage_scale_ = nullptr;
@@ -487,6 +490,7 @@ class CudaSession : public Session {
   Pinned<int64_t> h_engram_rows_;
   Pinned<int32_t> h_ids_;
   Pinned<float> h_logits_;  // last-row logits of a step
+  Pinned<int32_t> h_pick_;  // feed_greedy's id
   void *X_ = nullptr, *a_ = nullptr, *f_ = nullptr, *y_ = nullptr, *h_ = nullptr;
   float *pre0_ = nullptr, *pa_ = nullptr, *qa_ = nullptr, *Ca_ = nullptr, *pf_ = nullptr, *qf_ = nullptr,
         *Cf_ = nullptr;
@@ -605,6 +609,7 @@ CudaSession::CudaSession(const DeviceModel& m, const EngineOptions& o)
       return a->take(n);
     };
     d_ids_ = static_cast<int32_t*>(take(T * 4));
+    d_pick_ = static_cast<int32_t*>(take(4));
     d_engram_ids_ = static_cast<int64_t*>(take(std::max<int64_t>(1, T * nl * nc) * 8));
     engram_stage_ = static_cast<uint8_t*>(take(std::max<int64_t>(1, nl * T * nc * ed)));
     engram_stage_scale_ = static_cast<uint8_t*>(take(std::max<int64_t>(1, nl * T * nc * ed / 32)));
@@ -665,6 +670,7 @@ CudaSession::CudaSession(const DeviceModel& m, const EngineOptions& o)
   h_engram_rows_.resize(static_cast<size_t>(std::max<int64_t>(1, nl * T * nc)));
   h_ids_.resize(static_cast<size_t>(T));
   h_logits_.resize(static_cast<size_t>(V));
+  h_pick_.resize(1);
   if (nl > 0) {
     std::vector<int64_t> iota(static_cast<size_t>(T * nc));
     for (size_t i = 0; i < iota.size(); ++i) iota[i] = static_cast<int64_t>(i);
@@ -1094,6 +1100,25 @@ void CudaSession::feed(const int32_t* ids, int64_t n, float* logits, bool all_ro
     step_wall_ms_ += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - wall0).count();
     ++graph_runs_;
   }
+}
+
+int32_t CudaSession::feed_greedy(const int32_t* ids, int64_t n) {
+  DSX_CHECK(n > 0, "feed: no tokens");
+  const auto wall0 = std::chrono::steady_clock::now();
+  const bool timed = graph_timing_ && graph_ && n == 1;
+  for (int64_t p = 0; p < n; p += tmax_) step(ids + p, static_cast<int>(std::min<int64_t>(tmax_, n - p)), false);
+  // the last step's last-row logits are logits_[0 .. V)
+  argmax_rows(logits_, c_.vocab_size, 1, c_.vocab_size, d_pick_, stream_);
+  DSX_CUDA_CHECK(cudaMemcpyAsync(h_pick_.data(), d_pick_, 4, cudaMemcpyDeviceToHost, stream_));
+  DSX_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (timed) {
+    float ms = 0;
+    DSX_CUDA_CHECK(cudaEventElapsedTime(&ms, gt0_, gt1_));
+    graph_ms_ += ms;
+    step_wall_ms_ += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - wall0).count();
+    ++graph_runs_;
+  }
+  return h_pick_.data()[0];
 }
 
 std::vector<uint8_t> CudaSession::save() const {

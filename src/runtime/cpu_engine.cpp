@@ -7,10 +7,17 @@
 #include "model/v4_cpu.h"
 #include "model/weights.h"
 #include "runtime/engine.h"
+#include "runtime/sampler.h"
 #include "util/error.h"
 #include "util/threadpool.h"
 
 namespace dsx {
+
+int32_t Session::feed_greedy_on_host(const int32_t* ids, int64_t n, int64_t vocab) {
+  greedy_row_.resize(static_cast<size_t>(vocab));
+  feed(ids, n, greedy_row_.data(), false);
+  return argmax(greedy_row_.data(), vocab);
+}
 
 namespace {
 
@@ -21,6 +28,9 @@ class CpuSession : public Session {
   const std::vector<int32_t>& tokens() const override { return st_.tokens; }
   void feed(const int32_t* ids, int64_t n, float* logits, bool all_rows) override {
     m_.forward(st_, ids, n, logits, all_rows);
+  }
+  int32_t feed_greedy(const int32_t* ids, int64_t n) override {
+    return feed_greedy_on_host(ids, n, m_.config().vocab_size);
   }
   std::vector<uint8_t> save() const override { return st_.save(); }
   void restore(const std::vector<uint8_t>& s) override { st_.restore(s.data(), s.size()); }
@@ -55,6 +65,9 @@ class V4CpuSession : public Session {
   const std::vector<int32_t>& tokens() const override { return st_.tokens; }
   void feed(const int32_t* ids, int64_t n, float* logits, bool all_rows) override {
     m_.forward(st_, ids, n, logits, all_rows);
+  }
+  int32_t feed_greedy(const int32_t* ids, int64_t n) override {
+    return feed_greedy_on_host(ids, n, m_.config().vocab_size);
   }
   std::vector<uint8_t> save() const override { return st_.save(); }
   void restore(const std::vector<uint8_t>& s) override {

@@ -27,6 +27,10 @@ class Session {
   // Feeds ids at positions position()..; writes logits of every fed row
   // ([n, vocab]) when all_rows, else of the last row ([vocab]).
   virtual void feed(const int32_t* ids, int64_t n, float* logits, bool all_rows) = 0;
+  // feed(ids, n) and the greedy choice from the last row's logits (argmax of
+  // runtime/sampler.h), without handing the logits out: the CUDA backend picks the id
+  // on the device and copies 4 bytes instead of the vocabulary's logits.
+  virtual int32_t feed_greedy(const int32_t* ids, int64_t n) = 0;
   // Exact snapshot of the state (portable between backends of the same model).
   virtual std::vector<uint8_t> save() const = 0;
   virtual void restore(const std::vector<uint8_t>& snapshot) = 0;
@@ -36,6 +40,13 @@ class Session {
   // Benchmarks only: jump to position position()+n with random (valid) cache
   // contents instead of a prefill. Returns false when the backend cannot.
   virtual bool synthetic_fill(int64_t n, uint64_t seed) { return false; }
+
+ protected:
+  // feed_greedy through feed and the host argmax (backends without a device pick).
+  int32_t feed_greedy_on_host(const int32_t* ids, int64_t n, int64_t vocab);
+
+ private:
+  std::vector<float> greedy_row_;
 };
 
 class Engine {
