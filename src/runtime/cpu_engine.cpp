@@ -2,6 +2,7 @@
 // the Engine / Session interface.
 #include <map>
 #include <mutex>
+#include <type_traits>
 
 #include "model/v41_cpu.h"
 #include "model/v4_cpu.h"
@@ -21,46 +22,14 @@ int32_t Session::feed_greedy_on_host(const int32_t* ids, int64_t n, int64_t voca
 
 namespace {
 
-class CpuSession : public Session {
+// A session of a CPU model M (V41Cpu, or V4Cpu for DeepSeek V4 Flash): the KV state
+// on the host, the forward on the CPU kernels. A restored snapshot replaces the state
+// only once it has been read and checked whole (KVState::restore checks the model
+// fingerprint and the geometry; V4 also checks its pooled-cache rings).
+template <class M>
+class CpuSessionOf : public Session {
  public:
-  CpuSession(const V41Cpu& m, int rollback) : m_(m), st_(m.new_state(rollback)) {}
-  int64_t position() const override { return st_.pos; }
-  const std::vector<int32_t>& tokens() const override { return st_.tokens; }
-  void feed(const int32_t* ids, int64_t n, float* logits, bool all_rows) override {
-    m_.forward(st_, ids, n, logits, all_rows);
-  }
-  int32_t feed_greedy(const int32_t* ids, int64_t n) override {
-    return feed_greedy_on_host(ids, n, m_.config().vocab_size);
-  }
-  std::vector<uint8_t> save() const override { return st_.save(); }
-  void restore(const std::vector<uint8_t>& s) override { st_.restore(s.data(), s.size()); }
-  void rollback(int64_t p) override { st_.rollback(p); }
-  int64_t state_bytes() const override { return st_.bytes(); }
-
- private:
-  const V41Cpu& m_;
-  KVState st_;
-};
-
-class CpuEngine : public Engine {
- public:
-  CpuEngine(std::unique_ptr<V41Cpu> m, int rollback) : m_(std::move(m)), rollback_(rollback) {}
-  const ModelConfig& config() const override { return m_->config(); }
-  std::unique_ptr<Session> new_session() override { return std::make_unique<CpuSession>(*m_, rollback_); }
-  std::string describe() const override {
-    return cat("cpu f32, ", num_threads(), " threads");
-  }
-
- private:
-  std::unique_ptr<V41Cpu> m_;
-  int rollback_;
-};
-
-// DeepSeek V4 Flash (src/model/v4_cpu.h); same interface. A restored snapshot is
-// checked against the model's state geometry before it replaces the state.
-class V4CpuSession : public Session {
- public:
-  V4CpuSession(const V4Cpu& m, int rollback) : m_(m), st_(m.new_state(rollback)) {}
+  CpuSessionOf(const M& m, int rollback) : m_(m), st_(m.new_state(rollback)) {}
   int64_t position() const override { return st_.pos; }
   const std::vector<int32_t>& tokens() const override { return st_.tokens; }
   void feed(const int32_t* ids, int64_t n, float* logits, bool all_rows) override {
@@ -71,29 +40,36 @@ class V4CpuSession : public Session {
   }
   std::vector<uint8_t> save() const override { return st_.save(); }
   void restore(const std::vector<uint8_t>& s) override {
-    KVState tmp = st_;
-    tmp.restore(s.data(), s.size());
-    m_.check_state(tmp);
-    st_ = std::move(tmp);
+    if constexpr (std::is_same_v<M, V4Cpu>) {
+      KVState tmp = st_;
+      tmp.restore(s.data(), s.size());
+      m_.check_state(tmp);
+      st_ = std::move(tmp);
+    } else {
+      st_.restore(s.data(), s.size());  // transactional itself
+    }
   }
   void rollback(int64_t p) override { st_.rollback(p); }
   int64_t state_bytes() const override { return st_.bytes(); }
 
  private:
-  const V4Cpu& m_;
+  const M& m_;
   KVState st_;
 };
 
-class V4CpuEngine : public Engine {
+template <class M>
+class CpuEngineOf : public Engine {
  public:
-  V4CpuEngine(std::unique_ptr<V4Cpu> m, int rollback) : m_(std::move(m)), rollback_(rollback) {}
+  CpuEngineOf(std::unique_ptr<M> m, int rollback, const char* label)
+      : m_(std::move(m)), rollback_(rollback), label_(label) {}
   const ModelConfig& config() const override { return m_->config(); }
-  std::unique_ptr<Session> new_session() override { return std::make_unique<V4CpuSession>(*m_, rollback_); }
-  std::string describe() const override { return cat("cpu f32 (deepseek_v4), ", num_threads(), " threads"); }
+  std::unique_ptr<Session> new_session() override { return std::make_unique<CpuSessionOf<M>>(*m_, rollback_); }
+  std::string describe() const override { return cat("cpu f32", label_, ", ", num_threads(), " threads"); }
 
  private:
-  std::unique_ptr<V4Cpu> m_;
+  std::unique_ptr<M> m_;
   int rollback_;
+  const char* label_;
 };
 
 std::map<std::string, EngineFactory>& factories() {
@@ -122,10 +98,12 @@ std::unique_ptr<Engine> load_engine(const std::string& dir, const EngineOptions&
   ModelConfig cfg = load_model_config(dir);
   auto files = std::make_shared<ModelFiles>(dir);
   if (cfg.family == Family::V4)
-    return std::make_unique<V4CpuEngine>(std::make_unique<V4Cpu>(cfg, bind_weights_v4(cfg, files)), opts.rollback_depth);
+    return std::make_unique<CpuEngineOf<V4Cpu>>(std::make_unique<V4Cpu>(cfg, bind_weights_v4(cfg, files)),
+                                                opts.rollback_depth, " (deepseek_v4)");
   ModelWeights w = bind_weights(cfg, files);
   std::vector<int32_t> cmap = load_engram_token_map(dir, cfg);
-  return std::make_unique<CpuEngine>(std::make_unique<V41Cpu>(cfg, std::move(w), std::move(cmap)), opts.rollback_depth);
+  return std::make_unique<CpuEngineOf<V41Cpu>>(std::make_unique<V41Cpu>(cfg, std::move(w), std::move(cmap)),
+                                               opts.rollback_depth, "");
 }
 
 }  // namespace dsx
