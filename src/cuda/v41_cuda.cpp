@@ -459,6 +459,7 @@ class CudaSession : public Session {
 
  private:
   void step(const int32_t* ids, int T, bool all_rows);  // enqueue inputs, run, advance
+  void note_graph_time(std::chrono::steady_clock::time_point wall0);
   void forward(int T, bool all_rows);                   // the kernels of one chunk
   void attention(int l, int T);
   void moe(int l, int T);
@@ -1093,13 +1094,17 @@ void CudaSession::feed(const int32_t* ids, int64_t n, float* logits, bool all_ro
     }
   }
   DSX_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  if (timed) {
-    float ms = 0;
-    DSX_CUDA_CHECK(cudaEventElapsedTime(&ms, gt0_, gt1_));
-    graph_ms_ += ms;
-    step_wall_ms_ += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - wall0).count();
-    ++graph_runs_;
-  }
+  if (timed) note_graph_time(wall0);
+}
+
+// DSX_GRAPH_TIMING: the replayed graph's device time and the step's wall time (the
+// stream has been synchronised).
+void CudaSession::note_graph_time(std::chrono::steady_clock::time_point wall0) {
+  float ms = 0;
+  DSX_CUDA_CHECK(cudaEventElapsedTime(&ms, gt0_, gt1_));
+  graph_ms_ += ms;
+  step_wall_ms_ += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - wall0).count();
+  ++graph_runs_;
 }
 
 int32_t CudaSession::feed_greedy(const int32_t* ids, int64_t n) {
@@ -1111,13 +1116,7 @@ int32_t CudaSession::feed_greedy(const int32_t* ids, int64_t n) {
   argmax_rows(logits_, c_.vocab_size, 1, c_.vocab_size, d_pick_, stream_);
   DSX_CUDA_CHECK(cudaMemcpyAsync(h_pick_.data(), d_pick_, 4, cudaMemcpyDeviceToHost, stream_));
   DSX_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  if (timed) {
-    float ms = 0;
-    DSX_CUDA_CHECK(cudaEventElapsedTime(&ms, gt0_, gt1_));
-    graph_ms_ += ms;
-    step_wall_ms_ += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - wall0).count();
-    ++graph_runs_;
-  }
+  if (timed) note_graph_time(wall0);
   return h_pick_.data()[0];
 }
 
