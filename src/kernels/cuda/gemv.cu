@@ -426,7 +426,22 @@ bool gemv_mma(const QMatrix& W, DType xt, const void* x, int64_t ldx, int T, DTy
   p.yt = static_cast<int>(yt);
   p.ldy = ldy;
   const int K = static_cast<int>(W.cols);
-  // spans in flight: 8 only pays off when each warp streams >= 32 spans (FP8, long K)
+  if (gemv_mma_ring() > 0 && T <= (fp8 ? 4 : 2)) {
+    // shared ring, one token pass: depth 8 (DSX_MMA_RING=16: 16) spans in flight per
+    // warp; FP8 with the hardware e4m3 conversion. Falls through when it does not fit.
+    const bool r16 = gemv_mma_ring() >= 16;
+    p.prescale = fp8 ? dev::fp8_mma_prescale<true>() : dev::kMx4MmaPrescale;
+    bool ok;
+    if (fp8)
+      ok = r16 ? try_launch_mma<WFormat::FP8_BLOCK, true, 1, 16, true>(p, K, stream)
+               : try_launch_mma<WFormat::FP8_BLOCK, true, 1, 8, true>(p, K, stream);
+    else
+      ok = r16 ? try_launch_mma<WFormat::MXFP4, false, 1, 16, true>(p, K, stream)
+               : try_launch_mma<WFormat::MXFP4, false, 1, 8, true>(p, K, stream);
+    if (ok) return true;
+  }
+  // register ring; spans in flight: 8 only pays off when each warp streams >= 32 spans
+  // (FP8, long K)
   int depth = gemv_mma_depth();
   if (depth == 0) {
     auto k4 = gemv_mma_kernel<WFormat::FP8_BLOCK, false, 1, 4>;
@@ -434,21 +449,6 @@ bool gemv_mma(const QMatrix& W, DType xt, const void* x, int64_t ldx, int T, DTy
     depth = (fp8 && pl.ok && pl.nsp / pl.KS >= 32) ? 8 : 4;
   }
   const bool deep = depth >= 8;
-  if (gemv_mma_ring() > 0 && T <= (fp8 ? 4 : 2)) {
-    // shared ring, one token pass: depth 8 (DSX_MMA_RING=16: 16) spans in flight per
-    // warp; FP8 with the hardware e4m3 conversion. Falls through when it does not fit.
-    const bool r16 = gemv_mma_ring() >= 16;
-    MmaParams q = p;
-    q.prescale = fp8 ? dev::fp8_mma_prescale<true>() : dev::kMx4MmaPrescale;
-    bool ok;
-    if (fp8)
-      ok = r16 ? try_launch_mma<WFormat::FP8_BLOCK, true, 1, 16, true>(q, K, stream)
-               : try_launch_mma<WFormat::FP8_BLOCK, true, 1, 8, true>(q, K, stream);
-    else
-      ok = r16 ? try_launch_mma<WFormat::MXFP4, false, 1, 16, true>(q, K, stream)
-               : try_launch_mma<WFormat::MXFP4, false, 1, 8, true>(q, K, stream);
-    if (ok) return true;
-  }
   if (fp8) {
     if (gemv_mma_hwcvt()) {
       p.prescale = dev::fp8_mma_prescale<true>();
