@@ -197,8 +197,8 @@ TEST(CudaGemv, Fp8ReleaseShapes) {
   for (const Shape& s : shapes) run_gemv_cases(WFormat::FP8_BLOCK, s.N, s.K, {1, 4}, rng);
   Weight W = make_weight(WFormat::FP8_BLOCK, 1280, 5120, rng);
   for (int T : {2, 7, 16}) check_gemv(W, T, DType::BF16, DType::BF16, rng);
-  // one and two tokens with a short last K stage (K = 2304 = 4 x 512 + 256) and a partial
-  // last 16-row tile (N % 16 != 0); with DSX_GEMV_BULK=1 through the bulk-copy kernel
+  // one and two tokens with K = 2304 (36 spans of 64 bytes, not a power of two) and a
+  // partial last 16-row tile (N % 16 != 0)
   Weight W2 = make_weight(WFormat::FP8_BLOCK, 4104, 2304, rng);
   for (int T : {1, 2}) {
     check_gemv(W2, T, DType::BF16, DType::BF16, rng);

@@ -5,7 +5,6 @@
 #include "kernels/cuda/gemv_device.cuh"
 #include "kernels/cuda/gemv_ring_device.cuh"
 #include "kernels/cuda/gemv_launch.h"
-#include "kernels/cuda/gemv_bulk.h"
 #include "kernels/cuda/gemv_stream.h"
 #include "util/error.h"
 
@@ -608,7 +607,6 @@ void gemv(const QMatrix& W, DType xt, const void* x, int64_t ldx, int T, DType y
     case WFormat::F32: p.W.row_bytes = W.cols * 4; break;
   }
   if (gemv_stream(W, p.W, xt, x, ldx, T, yt, y, ldy, o, qa8, stream)) return;
-  if (qa8 && gemv_bulk(W, xt, x, ldx, T, yt, y, ldy, o, stream)) return;
   if (qa8 && gemv_mma(W, xt, x, ldx, T, yt, y, ldy, o, p.W, stream)) return;
   const Plan pl = make_plan(W.fmt, N, K, G, T, qa8, o.qblock, o.split_ws ? o.split_ws_bytes : 0, sm_count());
   p.N = N;
