@@ -82,17 +82,11 @@ int cmd_generate(int argc, char** argv) {
   const int64_t V = eng->config().vocab_size;
   std::vector<float> logits(static_cast<size_t>(V));
   auto s = eng->new_session();
-  // feed and choose the next id (greedy: on the backend, without copying the logits out)
-  auto advance = [&](const int32_t* in, int64_t k) -> int32_t {
-    if (so.temperature <= 0.0f) return s->feed_greedy(in, k);
-    s->feed(in, k, logits.data(), false);
-    return sampler.sample(logits.data(), V);
-  };
   std::string line;
-  int32_t next = advance(ids.data(), static_cast<int64_t>(ids.size()));
+  int32_t next = sampler.feed_and_pick(*s, ids.data(), static_cast<int64_t>(ids.size()), logits);
   for (int64_t i = 0; i < n; ++i) {
     line += (i ? " " : "") + std::to_string(next);
-    if (i + 1 < n) next = advance(&next, 1);
+    if (i + 1 < n) next = sampler.feed_and_pick(*s, &next, 1, logits);
   }
   std::printf("%s\n", line.c_str());
   return 0;

@@ -71,20 +71,14 @@ int cmd_run(int argc, char** argv) {
     if (id >= cfg.vocab_size) fail("the tokenizer produced id ", id, " beyond the model's vocabulary (", cfg.vocab_size, ")");
   std::vector<float> logits(static_cast<size_t>(cfg.vocab_size));
   auto s = eng->new_session();
-  // feed and choose the next id (greedy: on the backend, without copying the logits out)
-  auto advance = [&](const int32_t* in, int64_t k) -> int32_t {
-    if (so.temperature <= 0.0f) return s->feed_greedy(in, k);
-    s->feed(in, k, logits.data(), false);
-    return sampler.sample(logits.data(), cfg.vocab_size);
-  };
   text::StreamDecoder dec(tok);
-  int32_t next = advance(ids.data(), static_cast<int64_t>(ids.size()));
+  int32_t next = sampler.feed_and_pick(*s, ids.data(), static_cast<int64_t>(ids.size()), logits);
   for (int64_t i = 0; i < n; ++i) {
     if (next == cfg.eos_id) break;
     std::string piece = dec.push(next);
     std::fwrite(piece.data(), 1, piece.size(), stdout);
     std::fflush(stdout);
-    if (i + 1 < n) next = advance(&next, 1);
+    if (i + 1 < n) next = sampler.feed_and_pick(*s, &next, 1, logits);
   }
   std::string tail = dec.flush();
   std::fwrite(tail.data(), 1, tail.size(), stdout);

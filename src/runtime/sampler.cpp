@@ -5,6 +5,7 @@
 #include <numeric>
 #include <vector>
 
+#include "runtime/engine.h"
 #include "util/error.h"
 
 namespace dsx {
@@ -28,6 +29,12 @@ int32_t argmax(const float* l, int64_t n) {
   for (i = 0; i < n; ++i)
     if (l[i] == v) return static_cast<int32_t>(i);
   return 0;
+}
+
+int32_t Sampler::feed_and_pick(Session& s, const int32_t* ids, int64_t n, std::vector<float>& logits) {
+  if (o_.temperature <= 0.0f) return s.feed_greedy(ids, n);
+  s.feed(ids, n, logits.data(), false);
+  return sample(logits.data(), static_cast<int64_t>(logits.size()));
 }
 
 int32_t Sampler::sample(const float* l, int64_t n) {

@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 #include <random>
+#include <vector>
 
 namespace dsx {
 
@@ -16,10 +17,16 @@ struct SamplerOptions {
 // Greedy choice: the largest logit, ties to the lowest id.
 int32_t argmax(const float* logits, int64_t n);
 
+class Session;
+
 class Sampler {
  public:
   explicit Sampler(const SamplerOptions& o) : o_(o), rng_(o.seed) {}
   int32_t sample(const float* logits, int64_t n);
+  // Feeds ids[0..n) to s and picks the next id: greedy (temperature 0) on the backend
+  // (Session::feed_greedy), else sample() of the last row's logits, which are written
+  // to `logits` (the vocabulary's size).
+  int32_t feed_and_pick(Session& s, const int32_t* ids, int64_t n, std::vector<float>& logits);
 
  private:
   SamplerOptions o_;
