@@ -207,6 +207,24 @@ TEST(CudaAttention, DecodeAndPrefillMatchTwin) {
                             cuda::act_name(act), sh.H, sh.hd, static_cast<long long>(run.p0), run.T, with_cmp ? 1 : 0,
                             splits, inv ? 1 : 0, tc ? 1 : 0);
               compare(got, want, bf, what);
+              if (tc && inv) {
+                // pre-RoPE queries rotated inside the kernel (AttnArgs::q_inv_freq): the
+                // twin gets the queries rotated on the host (rope_rows, as rope() does)
+                a.q_inv_freq = s.d_freq.as<float>();
+                a.n_pairs = sh.np;
+                cuda::sparse_attention(act, a, nullptr);
+                std::vector<float> got_r = download_act(dout, static_cast<size_t>(run.T) * sh.H * sh.hd, act);
+                std::vector<float> rot = s.q;
+                twin::rope_rows(bf, rot.data(), run.T, sh.H, sh.hd, sh.np, s.freq.data(), run.p0, false);
+                std::swap(s.q, rot);
+                std::vector<float> want_r = twin_out(sh, s, bf, with_cmp, inv);
+                std::swap(s.q, rot);
+                std::snprintf(what, sizeof what, "attention (q RoPE in the kernel) H=%d hd=%d p0=%lld T=%d cmp=%d splits=%d",
+                              sh.H, sh.hd, static_cast<long long>(run.p0), run.T, with_cmp ? 1 : 0, splits);
+                compare(got_r, want_r, bf, what);
+                std::vector<float> q_after = download_act(s.d_q, s.q.size(), act);
+                EXPECT_EQ(count_bit_diff_i(q_after, s.q), 0u) << "the kernel must leave q as it was";
+              }
             }
     }
 }
@@ -222,7 +240,11 @@ TEST(CudaDecodeGraph, TinyLayerStepByStep) {
   const int H = 4, hd = 64, np = 8, W = 16, rollback = 16, cap = W + rollback;
   const int IH = 8, ihd = 32, topk = 8, steps = 48, max_rows = 64;
   const float eps = 1e-20f;
+  // fold: the window row goes into the ring in kv_finish (the engine's decode step)
+  // instead of window_store after the attention
+  for (bool fold : {false, true})
   for (Act act : {Act::F32, Act::BF16}) {
+    SCOPED_TRACE(fold ? "ring row written by kv_finish" : "ring row written by window_store");
     const bool bf = act == Act::BF16;
     const size_t ab = cuda::act_bytes(act);
     std::vector<float> freq = rope_table(np, 160000.0), kv_norm = randn(hd, rng, 0.2f), c_norm = randn(hd, rng, 0.2f),
@@ -253,7 +275,8 @@ TEST(CudaDecodeGraph, TinyLayerStepByStep) {
     const int64_t* pos = d_pos.as<int64_t>();
     auto step = [&](cudaStream_t st) {
       cuda::rope(act, d_q.get(), 1, H, hd, np, d_freq.as<float>(), pos, false, st);
-      cuda::kv_finish(act, d_kv.get(), d_kvn.as<float>(), eps, 1, hd, np, d_freq.as<float>(), pos, chunk, st);
+      cuda::kv_finish(act, d_kv.get(), d_kvn.as<float>(), eps, 1, hd, np, d_freq.as<float>(), pos, chunk, st,
+                      fold ? &ring : nullptr, cap);
       cuda::CompressorArgs c;
       c.T = 1;
       c.ratio = 1;
@@ -310,7 +333,7 @@ TEST(CudaDecodeGraph, TinyLayerStepByStep) {
       a.n_splits = splits;
       a.work = d_work.as<float>();
       cuda::sparse_attention(act, a, st);
-      cuda::window_store(chunk, 1, ring, cap, pos, st);
+      if (!fold) cuda::window_store(chunk, 1, ring, cap, pos, st);
       cuda::advance_position(d_pos.as<int64_t>(), 1, st);
     };
     cudaStream_t st;

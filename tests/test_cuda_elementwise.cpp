@@ -608,9 +608,12 @@ TEST(CudaArgmax, MatchesHostArgmax) {
   std::mt19937_64 rng(41);
   const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
   const float specials[6] = {nan, inf, -inf, -nan, 0.0f, -0.0f};
+  // ld = n + 3: most rows unaligned (scalar loop); ld = n rounded up to 4: every row
+  // 16-byte aligned (vector loop plus the scalar tail when n % 4 != 0)
+  for (int64_t pad : {int64_t{3}, int64_t{-1}})
   for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{1000}, int64_t{4099}, int64_t{129280}}) {
     const int rows = 6;
-    const int64_t ld = n + 3;
+    const int64_t ld = pad >= 0 ? n + pad : (n + 3) / 4 * 4;
     std::vector<float> x(static_cast<size_t>(rows * ld), 0.0f);
     for (int r = 0; r < rows; ++r) {
       const int levels = 1 + r;  // few levels: many ties

@@ -15,7 +15,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <cstdlib>
+#include <limits>
 #include <random>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernels/cpu/linear.h"
@@ -80,27 +84,38 @@ Weight make_weight(WFormat fmt, int64_t N, int64_t K, std::mt19937_64& rng, int 
   return w;
 }
 
-// One GEMV case: T rows of fresh activations against W, compared with the twin.
-// mode selects the output type and the rounding; xt the activation type.
-void check_gemv(const Weight& W, int T, DType mode, DType xt, std::mt19937_64& rng, const cuda::GemvOpts& opts = {}) {
+// One GEMV case: T rows of activations x ([T, groups * K]; xt == BF16: bf16-exact values)
+// against W, compared with the twin. mode selects the output type and the rounding; xt the
+// activation type. Returns the kernel gemv ran (cuda::gemv_last_path).
+std::string check_gemv_x(const Weight& W, int T, DType mode, DType xt, const std::vector<float>& x,
+                         const cuda::GemvOpts& opts = {}) {
   const int64_t N = W.h.q.rows, K = W.h.q.cols;
   const WFormat fmt = W.h.q.fmt;
-  SCOPED_TRACE(testing::Message() << "fmt " << static_cast<int>(fmt) << " N " << N << " K " << K << " T " << T
-                                  << " mode " << (mode == DType::BF16 ? "bf16" : "f32") << " xt "
-                                  << (xt == DType::BF16 ? "bf16" : "f32") << " groups " << opts.groups);
+  SCOPED_TRACE(testing::Message() << "fmt " << static_cast<int>(fmt) << " block " << W.h.q.block << " N " << N
+                                  << " K " << K << " T " << T << " mode " << (mode == DType::BF16 ? "bf16" : "f32")
+                                  << " xt " << (xt == DType::BF16 ? "bf16" : "f32") << " groups " << opts.groups
+                                  << " qa8 " << opts.qa8);
   const DType yt = mode;
   const int G = opts.groups;
   const int64_t ldx = G * K;
-  std::vector<float> x = twin::random_acts(T, ldx, rng, xt == DType::BF16);
+  EXPECT_EQ(x.size(), static_cast<size_t>(T * ldx));
   const bool qa8 = opts.qa8 && (fmt == WFormat::FP8_BLOCK || fmt == WFormat::MXFP4);
   std::vector<float> ref(static_cast<size_t>(T * N)), abs(static_cast<size_t>(T * N));
   twin::linear(x.data(), T, ldx, W.h.q, qa8, opts.qblock, G, mode == DType::BF16, ref.data(), N, abs.data());
   DeviceBuffer dx = upload_act(x, xt);
   DeviceBuffer dy(static_cast<size_t>(T * N) * cuda::dtype_size(yt));
   cuda::gemv(W.d.q, xt, dx.get(), ldx, T, yt, dy.get(), N, opts, nullptr);
+  const std::string path = cuda::gemv_last_path();
   DSX_CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<float> got = download_act(dy, static_cast<size_t>(T * N), yt);
-  expect_close(got, ref, abs, kSumTol, mode == DType::BF16 ? kBf16Ulp : 0.0, "gemv");
+  expect_close(got, ref, abs, kSumTol, mode == DType::BF16 ? kBf16Ulp : 0.0, "gemv (" + path + ")");
+  return path;
+}
+
+// The same on fresh random activations.
+std::string check_gemv(const Weight& W, int T, DType mode, DType xt, std::mt19937_64& rng,
+                       const cuda::GemvOpts& opts = {}) {
+  return check_gemv_x(W, T, mode, xt, twin::random_acts(T, opts.groups * W.h.q.cols, rng, xt == DType::BF16), opts);
 }
 
 void run_gemv_cases(WFormat fmt, int64_t N, int64_t K, std::initializer_list<int> Ts, std::mt19937_64& rng,
@@ -258,6 +273,119 @@ TEST(CudaGemv, GroupedWoA) {
   o.groups = 2;  // tiny: wo_a [128, 256], 2 groups
   run_gemv_cases(WFormat::FP8_BLOCK, 128, 256, {1, 4, 17}, rng, 32, o);
   run_gemv_cases(WFormat::BF16, 128, 256, {1, 4, 17}, rng, 32, o);
+}
+
+namespace {
+// bf16 activations [T, K] (K % 32 == 0) with a wide range inside every 32-element block:
+// magnitudes 2^-20 .. 2^11 of both signs, one element in 8 zero, one block in 16 all zero;
+// row 0 starts with crafted blocks (K >= 128).
+std::vector<float> wide_range_acts(int64_t T, int64_t K, std::mt19937_64& rng) {
+  std::vector<float> x(static_cast<size_t>(T * K), 0.0f);
+  std::uniform_int_distribution<int> ex(-20, 10), pick(0, 7), zero_block(0, 15);
+  std::uniform_real_distribution<float> frac(1.0f, 2.0f);
+  for (size_t b = 0; b < x.size(); b += 32) {
+    if (zero_block(rng) == 0) continue;
+    for (size_t i = b; i < b + 32; ++i)
+      if (pick(rng) != 0) x[i] = round_bf16(std::ldexp(frac(rng), ex(rng)) * (pick(rng) < 4 ? -1.0f : 1.0f));
+  }
+  if (K >= 128) {
+    float* r = x.data();
+    // both ends of the range in one block
+    r[0] = 1024.0f, r[1] = std::ldexp(1.0f, -20), r[2] = -std::ldexp(1.5f, -20), r[3] = -1024.0f;
+    // a lone tiny value
+    for (int i = 32; i < 64; ++i) r[i] = 0.0f;
+    r[40] = -std::ldexp(1.0f, -20);
+    // the largest bf16 below 2^16 next to 2^-16 (2^32 apart: still staged exactly), and -0
+    r[64] = 65280.0f, r[65] = std::ldexp(1.0f, -16), r[66] = -0.0f;
+    // a bf16 subnormal block maximum
+    for (int i = 96; i < 128; ++i) r[i] = 0.0f;
+    r[100] = std::ldexp(1.0f, -130), r[101] = -std::ldexp(1.0f, -132);
+  }
+  return x;
+}
+
+// The default kernel choice is in force (tests that name the kernel a call must take).
+bool default_gemv_switches() {
+  for (const char* v : {"DSX_GEMV_MMA", "DSX_GEMV_STREAM", "DSX_MMA_RING", "DSX_MMA_NOQA", "DSX_MMA_KS"})
+    if (std::getenv(v)) return false;
+  return true;
+}
+}  // namespace
+
+// wo_a in BF16 mode (no QA8, 8 groups, T <= 4) on the shared-ring tensor-core kernel with
+// the activations staged as f16 times a power of two per 32-element block (gemv.cu,
+// gemv_device.cuh noqa_block_exp): exact for bf16 inputs within 2^31 of their block
+// maximum, so the tolerances are those of the QA8 tensor-core path.
+TEST(CudaGemv, GroupedWoATensorCore) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(15);
+  cuda::GemvOpts o;
+  o.qa8 = false;
+  o.groups = 8;
+  const bool check_path = default_gemv_switches();
+  struct C {
+    int64_t R, Kg;
+    int block;
+  } cases[] = {{1024, 4096, 128}, {1024, 4096, 32}, {1024, 256, 128}, {32, 256, 32}, {32, 4096, 32}};
+  for (const C& c : cases) {
+    SCOPED_TRACE(testing::Message() << "R " << c.R << " Kg " << c.Kg << " block " << c.block);
+    Weight W = make_weight(WFormat::FP8_BLOCK, o.groups * c.R, c.Kg, rng, c.block);
+    for (int T : {1, 4}) {
+      const std::string path =
+          check_gemv_x(W, T, DType::BF16, DType::BF16, wide_range_acts(T, o.groups * c.Kg, rng), o);
+      if (check_path) EXPECT_EQ(path, "mma-ring") << "T " << T;
+    }
+  }
+  // T = 5: the CUDA-core kernel, same activations
+  Weight W = make_weight(WFormat::FP8_BLOCK, o.groups * 32, 256, rng, 32);
+  const std::string path = check_gemv_x(W, 5, DType::BF16, DType::BF16, wide_range_acts(5, o.groups * 256, rng), o);
+  if (check_path) EXPECT_EQ(path, "cuda-core");
+}
+
+// Special blocks on the same path: a NaN makes exactly its group's outputs NaN, an
+// all-zero group gives exact zeros, the other groups are unaffected.
+TEST(CudaGemv, GroupedWoATensorCoreNaNAndZeros) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(17);
+  const int G = 8;
+  const int64_t R = 32, Kg = 256, N = G * R;
+  twin::OwnedMatrix W = twin::random_matrix(WFormat::FP8_BLOCK, N, Kg, 32, rng);
+  std::vector<float> x = wide_range_acts(1, G * Kg, rng);
+  x[static_cast<size_t>(3 * Kg + 77)] = std::numeric_limits<float>::quiet_NaN();
+  std::fill(x.begin() + 5 * Kg, x.begin() + 6 * Kg, 0.0f);
+  std::vector<float> ref(static_cast<size_t>(N)), abs(ref.size());
+  twin::linear(x.data(), 1, G * Kg, W.q, false, 32, G, true, ref.data(), N, abs.data());
+  DevMatrix dW = upload_matrix(W.q);
+  DeviceBuffer dx = upload_act(x, DType::BF16), dy(ref.size() * 2);
+  cuda::GemvOpts o;
+  o.qa8 = false;
+  o.groups = G;
+  cuda::gemv(dW.q, DType::BF16, dx.get(), G * Kg, 1, DType::BF16, dy.get(), N, o, nullptr);
+  if (default_gemv_switches()) EXPECT_STREQ(cuda::gemv_last_path(), "mma-ring");
+  DSX_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<float> got = download_act(dy, ref.size(), DType::BF16);
+  std::vector<float> got_f, ref_f, abs_f;
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t g = n / R;
+    if (g == 3) {
+      EXPECT_TRUE(std::isnan(got[n])) << "row " << n << ": " << got[n];
+      continue;
+    }
+    if (g == 5) EXPECT_EQ(got[n], 0.0f) << "row " << n;
+    got_f.push_back(got[n]), ref_f.push_back(ref[n]), abs_f.push_back(abs[n]);
+  }
+  expect_close(got_f, ref_f, abs_f, kSumTol, kBf16Ulp, "finite groups");
+}
+
+// engram_wkv [25600, 6144] (FP8 tiles of 32, QA8, one token) takes the shared-ring
+// tensor-core kernel. Its K-split plan used to pick a split whose partial sums did not
+// fit (8 warps per tile, 7 rounds), and the shape fell back to the CUDA-core kernel.
+TEST(CudaGemv, EngramShapeOnTheRing) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(16);
+  Weight W = make_weight(WFormat::FP8_BLOCK, 25600, 6144, rng, 32);
+  const std::string path = check_gemv(W, 1, DType::BF16, DType::BF16, rng);
+  if (default_gemv_switches()) EXPECT_EQ(path, "mma-ring");
 }
 
 TEST(CudaGemv, SplitKWorkspace) {
@@ -462,48 +590,111 @@ TEST(CudaGemm, GroupedAndMixedTypes) {
 }
 
 // ---------------------------------------------------------------------------------
+// Router: cuda::router (T <= 8: the fused one-launch kernel, else gemv + router_select)
+// against the twin. A case: gate [E, D], bias, activations x [T, D] stored with row
+// stride ldx (ldx > D: rows not 16-byte aligned, the scalar activation loads).
 namespace {
-void run_router_case(int64_t E, int64_t D, int topk, int T, bool with_bias, DType xt, const cuda::RouterOpts& ro,
-                     std::mt19937_64& rng) {
-  SCOPED_TRACE(testing::Message() << "E " << E << " D " << D << " k " << topk << " T " << T << " bias " << with_bias);
+struct RouterData {
+  int64_t E = 0, D = 0, ldx = 0;
+  int T = 0;
+  DType xt = DType::F32;
+  twin::OwnedMatrix G;
+  DevMatrix dG;
+  std::vector<float> x, bias;
+  DeviceBuffer dx, db;
+};
+
+// Uploads x [T, D] (compact) into d.dx with row stride d.ldx (into the same device
+// buffer once it exists: a captured graph holds its address).
+void set_router_x(RouterData& d, std::vector<float> x) {
+  d.x = std::move(x);
+  std::vector<float> padded(static_cast<size_t>(d.T * d.ldx), 0.0f);
+  for (int t = 0; t < d.T; ++t)
+    std::copy(d.x.begin() + t * d.D, d.x.begin() + (t + 1) * d.D, padded.begin() + t * d.ldx);
+  if (d.dx.size() == 0) {
+    d.dx = upload_act(padded, d.xt);
+  } else if (d.xt == DType::F32) {
+    d.dx.upload(padded.data(), padded.size() * 4);
+  } else {
+    std::vector<uint16_t> h(padded.size());
+    for (size_t i = 0; i < h.size(); ++i) h[i] = f32_to_bf16(padded[i]);
+    d.dx.upload(h.data(), h.size() * 2);
+  }
+}
+
+RouterData make_router_data(int64_t E, int64_t D, int T, DType xt, std::mt19937_64& rng,
+                            WFormat gfmt = WFormat::BF16, int64_t ldx = 0) {
+  RouterData d;
+  d.E = E;
+  d.D = D;
+  d.ldx = ldx > 0 ? ldx : D;
+  d.T = T;
+  d.xt = xt;
   twin::RandomSpec sp;
   sp.sigma = 0.02f;
-  twin::OwnedMatrix G = twin::random_matrix(WFormat::BF16, E, D, 32, rng, sp);
-  std::vector<float> x = twin::random_acts(T, D, rng, xt == DType::BF16, -2, 1);
-  std::vector<float> bias(static_cast<size_t>(E));
+  d.G = twin::random_matrix(gfmt, E, D, 32, rng, sp);
+  d.dG = upload_matrix(d.G.q);
+  set_router_x(d, twin::random_acts(T, D, rng, xt == DType::BF16, -2, 1));
+  d.bias.resize(static_cast<size_t>(E));
   std::normal_distribution<float> nd(0.0f, 0.3f);
-  for (auto& b : bias) b = nd(rng);
+  for (auto& b : d.bias) b = nd(rng);
+  d.db = dsx_test::upload_vec(d.bias);
+  return d;
+}
+
+// Outputs of the router; the logits start `off` floats into their buffer (off > 0: an
+// address no earlier logits buffer had, cudaMalloc bases being 256-byte aligned).
+struct RouterOut {
+  DeviceBuffer z, ids, w;
+  int64_t off = 0;
+  RouterOut(int64_t E, int T, int topk, int64_t z_off = 0)
+      : z(static_cast<size_t>(T * E + z_off) * 4),
+        ids(static_cast<size_t>(T * topk) * 4),
+        w(static_cast<size_t>(T * topk) * 4),
+        off(z_off) {}
+  float* zp() const { return z.as<float>() + off; }
+};
+
+void call_router(const RouterData& d, int T, int topk, bool with_bias, const cuda::RouterOpts& ro, RouterOut& o,
+                 cudaStream_t st) {
+  cuda::router(d.xt, d.dx.get(), d.ldx, T, d.dG.q, with_bias ? d.db.as<float>() : nullptr, topk, ro, o.zp(),
+               o.ids.as<int32_t>(), o.w.as<float>(), st);
+}
+
+// The outputs of a call on the first T rows of d.x (device synchronized by the caller):
+// logits against the twin's product, ids / weights against the twin on the GPU's logits.
+void check_router(const RouterData& d, int T, int topk, bool with_bias, const cuda::RouterOpts& ro,
+                  const RouterOut& o) {
+  const int64_t E = d.E, D = d.D;
+  SCOPED_TRACE(testing::Message() << "E " << E << " D " << D << " k " << topk << " T " << T << " bias " << with_bias
+                                  << " ldx " << d.ldx);
   // logits on the CPU (LinF32) and their magnitude
   std::vector<float> z(static_cast<size_t>(T * E)), abs(z.size());
-  twin::linear(x.data(), T, D, G.q, false, 32, 1, false, z.data(), E, abs.data());
-
-  DevMatrix dG = upload_matrix(G.q);
-  DeviceBuffer dx = upload_act(x, xt), db(bias.size() * 4), dz(z.size() * 4), di(static_cast<size_t>(T * topk) * 4),
-      dw(static_cast<size_t>(T * topk) * 4);
-  db.upload(bias.data(), bias.size() * 4);
-  cuda::router(xt, dx.get(), D, T, dG.q, with_bias ? db.as<float>() : nullptr, topk, ro, dz.as<float>(),
-               di.as<int32_t>(), dw.as<float>(), nullptr);
-  DSX_CUDA_CHECK(cudaDeviceSynchronize());
+  twin::linear(d.x.data(), T, D, d.G.q, false, 32, 1, false, z.data(), E, abs.data());
   std::vector<float> gz(z.size()), gw(static_cast<size_t>(T * topk));
   std::vector<int32_t> gi(static_cast<size_t>(T * topk));
-  dz.download(gz.data(), gz.size() * 4);
-  di.download(gi.data(), gi.size() * 4);
-  dw.download(gw.data(), gw.size() * 4);
+  o.z.download(gz.data(), gz.size() * 4, static_cast<size_t>(o.off) * 4);
+  o.ids.download(gi.data(), gi.size() * 4);
+  o.w.download(gw.data(), gw.size() * 4);
   expect_close(gz, z, abs, kSumTol, 0.0, "router logits");
   // selection and weights: twin on the GPU's logits (summation order taken out)
   std::vector<int32_t> ri(gi.size());
   std::vector<float> rw(gw.size());
-  twin::router(gz.data(), T, E, with_bias ? bias.data() : nullptr, topk, ro.gate_temp, ro.norm_topk_prob,
+  twin::router(gz.data(), T, E, with_bias ? d.bias.data() : nullptr, topk, ro.gate_temp, ro.norm_topk_prob,
                ro.route_scale, ri.data(), rw.data());
-  for (int t = 0; t < T; ++t)
+  for (int t = 0; t < T; ++t) {
+    std::vector<int32_t> row(gi.begin() + t * topk, gi.begin() + (t + 1) * topk);
+    std::sort(row.begin(), row.end());
+    EXPECT_TRUE(std::adjacent_find(row.begin(), row.end()) == row.end()) << "token " << t << ": repeated expert";
     for (int k = 0; k < topk; ++k) {
       const size_t i = static_cast<size_t>(t * topk + k);
+      ASSERT_TRUE(gi[i] >= 0 && gi[i] < E) << "token " << t << " slot " << k << " expert " << gi[i];
       // softplus / sqrt may differ by an ulp or two between libm and CUDA: only a
       // near-tie (relative gap < 1e-6) could legitimately change the order
       if (gi[i] != ri[i]) {
         auto score = [&](int e) {
           const float v = gz[static_cast<size_t>(t * E + e)] / ro.gate_temp;
-          return std::sqrt(cpu::softplus(v)) + (with_bias ? bias[static_cast<size_t>(e)] : 0.0f);
+          return std::sqrt(cpu::softplus(v)) + (with_bias ? d.bias[static_cast<size_t>(e)] : 0.0f);
         };
         const float a = score(gi[i]), b = score(ri[i]);
         EXPECT_LE(std::fabs(a - b), 1e-6f * std::max(std::fabs(a), std::fabs(b)))
@@ -512,6 +703,25 @@ void run_router_case(int64_t E, int64_t D, int topk, int T, bool with_bias, DTyp
         EXPECT_NEAR(gw[i], rw[i], 2e-6 * std::fabs(rw[i]) + 1e-30) << "token " << t << " slot " << k;
       }
     }
+  }
+}
+
+void run_router_case(int64_t E, int64_t D, int topk, int T, bool with_bias, DType xt, const cuda::RouterOpts& ro,
+                     std::mt19937_64& rng, WFormat gfmt = WFormat::BF16, int64_t ldx = 0) {
+  RouterData d = make_router_data(E, D, T, xt, rng, gfmt, ldx);
+  RouterOut o(E, T, topk);
+  call_router(d, T, topk, with_bias, ro, o, nullptr);
+  DSX_CUDA_CHECK(cudaDeviceSynchronize());
+  check_router(d, T, topk, with_bias, ro, o);
+}
+
+// The two-launch reference on the same inputs: gemv into logits, then router_select.
+void two_launch_router(const RouterData& d, int T, int topk, bool with_bias, const cuda::RouterOpts& ro,
+                       RouterOut& o) {
+  cuda::GemvOpts g;
+  cuda::gemv(d.dG.q, d.xt, d.dx.get(), d.ldx, T, DType::F32, o.zp(), d.E, g, nullptr);
+  cuda::router_select(o.zp(), d.E, T, static_cast<int>(d.E), with_bias ? d.db.as<float>() : nullptr, topk, ro,
+                      o.ids.as<int32_t>(), o.w.as<float>(), nullptr);
 }
 }  // namespace
 
@@ -521,16 +731,178 @@ TEST(CudaRouter, MatchesTwin) {
   cuda::RouterOpts ro;
   for (DType xt : {DType::F32, DType::BF16}) {
     run_router_case(384, 5120, 6, 1, true, xt, ro, rng);
+    run_router_case(384, 5120, 6, 1, false, xt, ro, rng);
     run_router_case(384, 5120, 6, 5, true, xt, ro, rng);
+    run_router_case(384, 5120, 6, 8, true, xt, ro, rng);
+    run_router_case(384, 5120, 6, 8, false, xt, ro, rng);
     run_router_case(8, 256, 2, 3, true, xt, ro, rng);
     run_router_case(128, 5120, 3, 2, false, xt, ro, rng);
+    run_router_case(1000, 2048, 16, 1, true, xt, ro, rng);
+    run_router_case(1000, 2048, 16, 8, true, xt, ro, rng);
+    run_router_case(1024, 512, 16, 4, false, xt, ro, rng);
+    // x rows not 16-byte aligned (scalar activation loads)
+    const int64_t ldx = 5120 + 4 / static_cast<int64_t>(cuda::dtype_size(xt));
+    run_router_case(384, 5120, 6, 2, true, xt, ro, rng, WFormat::BF16, ldx);
+    // f32 gate
+    run_router_case(384, 1024, 6, 3, true, xt, ro, rng, WFormat::F32);
+    // T > 8: the two-launch path
+    run_router_case(384, 1024, 6, 12, true, xt, ro, rng);
   }
   cuda::RouterOpts r2;
   r2.gate_temp = 0.7f;
   r2.norm_topk_prob = false;
   r2.route_scale = 2.5f;
   run_router_case(384, 5120, 8, 4, true, DType::BF16, r2, rng);
+  run_router_case(384, 5120, 8, 7, true, DType::BF16, r2, rng);
   run_router_case(64, 256, 1, 4, true, DType::F32, ro, rng);
+  run_router_case(1, 64, 1, 2, true, DType::F32, ro, rng);
+  run_router_case(17, 64, 16, 8, false, DType::BF16, ro, rng);
+}
+
+// The fused kernel against the two-launch path on the same inputs: identical ids and
+// bit-identical weights once both see the same logits (the selection reads them back).
+TEST(CudaRouter, FusedMatchesTwoLaunchSelection) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(25);
+  cuda::RouterOpts ro;
+  for (int T : {1, 2, 3, 8}) {
+    for (bool with_bias : {true, false}) {
+      SCOPED_TRACE(testing::Message() << "T " << T << " bias " << with_bias);
+      RouterData d = make_router_data(384, 5120, T, DType::BF16, rng);
+      const int k = 6;
+      RouterOut a(384, T, k), b(384, T, k);
+      call_router(d, T, k, with_bias, ro, a, nullptr);
+      DSX_CUDA_CHECK(cudaDeviceSynchronize());
+      // the selection of router_select on the fused kernel's logits
+      cuda::router_select(a.zp(), 384, T, 384, with_bias ? d.db.as<float>() : nullptr, k, ro,
+                          b.ids.as<int32_t>(), b.w.as<float>(), nullptr);
+      DSX_CUDA_CHECK(cudaDeviceSynchronize());
+      const size_t n = static_cast<size_t>(T * k);
+      EXPECT_EQ(dsx_test::download_vec<int32_t>(a.ids, n), dsx_test::download_vec<int32_t>(b.ids, n));
+      EXPECT_EQ(dsx_test::count_bit_diff(dsx_test::download_vec<float>(a.w, n), dsx_test::download_vec<float>(b.w, n)),
+                0u);
+      // and the whole two-launch path: logits within the summation tolerance
+      two_launch_router(d, T, k, with_bias, ro, b);
+      DSX_CUDA_CHECK(cudaDeviceSynchronize());
+      check_router(d, T, k, with_bias, ro, b);
+    }
+  }
+}
+
+// Exact ties in the logits (duplicated gate rows): the lower expert id first.
+TEST(CudaRouter, FusedTiesPreferLowerId) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(23);
+  cuda::RouterOpts ro;
+  const int64_t E = 384, D = 5120;
+  const int k = 6;
+  for (int T : {1, 3, 8}) {
+    SCOPED_TRACE(testing::Message() << "T " << T);
+    RouterData d = make_router_data(E, D, T, DType::BF16, rng);
+    // positive activations; rows 3, 5, 17, 200, 299 all 0.5 (huge equal logits)
+    std::vector<float> x = d.x;
+    for (auto& v : x) v = std::fabs(v);
+    set_router_x(d, x);
+    const std::vector<int32_t> tied = {3, 5, 17, 200, 299};
+    for (int e : {299, 17, 3, 200, 5}) {  // (any order)
+      const uint16_t h = f32_to_bf16(0.5f);
+      for (int64_t c = 0; c < D; ++c) std::memcpy(d.G.data.data() + (e * D + c) * 2, &h, 2);
+    }
+    d.dG = upload_matrix(d.G.q);
+    RouterOut o(E, T, k);
+    call_router(d, T, k, false, ro, o, nullptr);
+    DSX_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<float> gz = dsx_test::download_vec<float>(o.z, static_cast<size_t>(T * E));
+    const std::vector<int32_t> gi = dsx_test::download_vec<int32_t>(o.ids, static_cast<size_t>(T * k));
+    for (int t = 0; t < T; ++t) {
+      for (int e : tied)
+        EXPECT_EQ(f32_bits(gz[static_cast<size_t>(t * E + e)]), f32_bits(gz[static_cast<size_t>(t * E + 3)]))
+            << "token " << t << " expert " << e << ": identical rows must give identical logits";
+      for (int i = 0; i < 5; ++i) EXPECT_EQ(gi[static_cast<size_t>(t * k + i)], tied[static_cast<size_t>(i)]) << t;
+    }
+    check_router(d, T, k, false, ro, o);
+  }
+  // every row the same: all experts tie, ids 0..k-1 (E = 1000, k = 16 too)
+  const std::vector<std::tuple<int64_t, int, int>> all_tied = {{384, 6, 8}, {384, 6, 1}, {1000, 16, 8}, {1000, 16, 2}};
+  for (auto [E2, k2, T] : all_tied) {
+    SCOPED_TRACE(testing::Message() << "all tied E " << E2 << " k " << k2 << " T " << T);
+    RouterData d = make_router_data(E2, 256, T, DType::F32, rng);
+    for (int64_t e = 1; e < E2; ++e) std::memcpy(d.G.data.data() + e * 256 * 2, d.G.data.data(), 256 * 2);
+    d.dG = upload_matrix(d.G.q);
+    RouterOut o(E2, T, k2);
+    call_router(d, T, k2, false, ro, o, nullptr);
+    DSX_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<int32_t> gi = dsx_test::download_vec<int32_t>(o.ids, static_cast<size_t>(T * k2));
+    const std::vector<float> gw = dsx_test::download_vec<float>(o.w, static_cast<size_t>(T * k2));
+    for (int t = 0; t < T; ++t)
+      for (int i = 0; i < k2; ++i) {
+        EXPECT_EQ(gi[static_cast<size_t>(t * k2 + i)], i) << "token " << t;
+        EXPECT_EQ(f32_bits(gw[static_cast<size_t>(t * k2 + i)]), f32_bits(gw[static_cast<size_t>(t * k2)]));
+      }
+  }
+}
+
+// Back-to-back calls on the same buffers (the counter is reset by each launch), and the
+// router captured in a CUDA graph and replayed (eagerly first, so the counter exists;
+// and a logits buffer first seen inside the capture: the two-launch path).
+TEST(CudaRouter, RepeatedCallsAndGraphReplay) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(24);
+  cuda::RouterOpts ro;
+  const int64_t E = 384, D = 5120;
+  const int k = 6, T = 4;
+  cudaStream_t st;
+  DSX_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  RouterData d1 = make_router_data(E, D, T, DType::BF16, rng), d2 = make_router_data(E, D, T, DType::BF16, rng),
+             d3 = make_router_data(E, D, T, DType::BF16, rng);
+  {
+    RouterOut o(E, T, k);
+    call_router(d1, 4, k, true, ro, o, st);
+    call_router(d2, 1, k, true, ro, o, st);
+    call_router(d3, 4, k, true, ro, o, st);  // must overwrite all of call 1's ids
+    DSX_CUDA_CHECK(cudaStreamSynchronize(st));
+    check_router(d3, 4, k, true, ro, o);
+    for (int rep = 0; rep < 3; ++rep) {
+      const RouterData& d = rep == 1 ? d1 : d2;
+      const int Tr = rep == 2 ? 1 : 4;
+      call_router(d, Tr, k, true, ro, o, st);
+      DSX_CUDA_CHECK(cudaStreamSynchronize(st));
+      check_router(d, Tr, k, true, ro, o);
+    }
+  }
+  for (bool eager_first : {true, false}) {
+    SCOPED_TRACE(testing::Message() << "eager first " << eager_first);
+    RouterOut o(E, T, k, eager_first ? 0 : 1);  // (not eager first: a logits address never seen)
+    RouterData d = make_router_data(E, D, T, DType::BF16, rng);
+    if (eager_first) {
+      call_router(d1, T, k, true, ro, o, st);
+      DSX_CUDA_CHECK(cudaStreamSynchronize(st));
+    } else {
+      two_launch_router(d, T, k, true, ro, o);  // (kernel attributes set outside the capture)
+      DSX_CUDA_CHECK(cudaDeviceSynchronize());
+    }
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    DSX_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    call_router(d, T, k, true, ro, o, st);
+    DSX_CUDA_CHECK(cudaStreamEndCapture(st, &graph));
+    DSX_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int rep = 0; rep < 3; ++rep) {
+      set_router_x(d, twin::random_acts(T, D, rng, true, -2, 1));
+      DSX_CUDA_CHECK(cudaDeviceSynchronize());
+      DSX_CUDA_CHECK(cudaGraphLaunch(exec, st));
+      if (rep == 2) DSX_CUDA_CHECK(cudaGraphLaunch(exec, st));  // two replays back to back
+      DSX_CUDA_CHECK(cudaStreamSynchronize(st));
+      check_router(d, T, k, true, ro, o);
+    }
+    // an eager call on the same buffers after the replays
+    call_router(d2, T, k, true, ro, o, st);
+    DSX_CUDA_CHECK(cudaStreamSynchronize(st));
+    check_router(d2, T, k, true, ro, o);
+    DSX_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    DSX_CUDA_CHECK(cudaGraphDestroy(graph));
+  }
+  DSX_CUDA_CHECK(cudaStreamDestroy(st));
 }
 
 TEST(CudaRouter, TiesPreferLowerId) {

@@ -896,7 +896,11 @@ void CudaSession::attention(int l, int T) {
   // §3.4.2 window KV
   lin(L.wkv, a_, D, T, act_, kv_raw_, hd, true, 1, s_kv);
   prof_.mark("wkv", stream_);
-  kv_finish(act_, kv_raw_, L.kv_norm, c_.rms_eps, T, static_cast<int>(hd), np, inv_freq, cache_.d_pos(), chunk_, s_kv);
+  // decode: the row also goes straight into the window ring (no window_store launch
+  // after the attention on the critical path)
+  const Fq8Rows ring = cache_.window(l);
+  kv_finish(act_, kv_raw_, L.kv_norm, c_.rms_eps, T, static_cast<int>(hd), np, inv_freq, cache_.d_pos(), chunk_, s_kv,
+            T == 1 ? &ring : nullptr, cache_.geometry().window_cap());
   if (branch) DSX_CUDA_CHECK(cudaEventRecord(ev_join_[0], s_kv));
   prof_.mark("kv_finish", stream_);
   // §3.4.3 compressor (KV sources) and the indexer weights, which read only `a`
@@ -928,9 +932,8 @@ void CudaSession::attention(int l, int T) {
   lin(L.wq_a, a_, D, T, act_, q_lat_, ql, true);
   rmsnorm(act_, q_lat_, q_lat_, L.q_norm, T, static_cast<int>(ql), c_.rms_eps, nullptr, nullptr, stream_);
   prof_.mark("wq_a+norm", stream_);
-  lin(L.wq_b, q_lat_, ql, T, act_, q_, H * hd, true);
-  rope(act_, q_, T, static_cast<int>(H), static_cast<int>(hd), np, inv_freq, cache_.d_pos(), false, stream_);
-  prof_.mark("wq_b+rope", stream_);
+  lin(L.wq_b, q_lat_, ql, T, act_, q_, H * hd, true);  // RoPE: in the attention (aa.q_inv_freq)
+  prof_.mark("wq_b", stream_);
   // §3.4.4-3.4.6 selection of compressed rows
   Fq4e4Rows cmp{};
   bool have_sel = false;
@@ -985,7 +988,7 @@ void CudaSession::attention(int l, int T) {
   }
   aa.sink = L.attn_sink;
   aa.scale = static_cast<float>(std::pow(static_cast<double>(hd), -0.5));
-  aa.n_pairs = np, aa.inv_freq = inv_freq;
+  aa.n_pairs = np, aa.inv_freq = inv_freq, aa.q_inv_freq = inv_freq;
   // BF16 mode: the tensor-core attention (same numerics up to f32 summation order);
   // DSX_ATTN_MMA=0 keeps the CUDA-core kernel
   aa.tensor_cores = act_ == Act::BF16 && attn_mma_enabled();
@@ -995,7 +998,7 @@ void CudaSession::attention(int l, int T) {
     aa.work = attn_work_;
   }
   sparse_attention(act_, aa, stream_);
-  window_store(chunk_, T, cache_.window(l), cache_.geometry().window_cap(), cache_.d_pos(), stream_);
+  if (T > 1) window_store(chunk_, T, ring, cache_.geometry().window_cap(), cache_.d_pos(), stream_);
   prof_.mark("attention", stream_);
   // §3.4.8 grouped output projection, then wo_b
   lin(L.wo_a, o_, H * hd, T, act_, zeta_, G * ol, false, static_cast<int>(G));

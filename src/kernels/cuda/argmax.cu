@@ -1,6 +1,7 @@
 #include "kernels/cuda/argmax.h"
 
 #include <cmath>
+#include <cstdint>
 
 #include "kernels/cuda/cuda_util.h"
 #include "util/error.h"
@@ -26,7 +27,24 @@ __global__ void __launch_bounds__(kThreads) argmax_kernel(const float* __restric
   const float* row = x + static_cast<int64_t>(blockIdx.x) * ld;
   float bv = -INFINITY;
   int64_t bi = -1;
-  for (int64_t i = threadIdx.x; i < n; i += kThreads) {
+  int64_t i0 = 0;  // first element of the scalar tail
+  if ((reinterpret_cast<uintptr_t>(row) & 15) == 0) {
+    // 16-byte loads, several in flight per thread (a scalar strided loop was bound by
+    // load latency: 12 us for 129280 logits); each thread still visits its elements in
+    // increasing order
+    const float4* r4 = reinterpret_cast<const float4*>(row);
+    const int64_t n4 = n / 4;
+#pragma unroll 8
+    for (int64_t j = threadIdx.x; j < n4; j += kThreads) {
+      const float4 q = __ldcg(r4 + j);
+      if (q.x > bv) bv = q.x, bi = 4 * j;
+      if (q.y > bv) bv = q.y, bi = 4 * j + 1;
+      if (q.z > bv) bv = q.z, bi = 4 * j + 2;
+      if (q.w > bv) bv = q.w, bi = 4 * j + 3;
+    }
+    i0 = 4 * n4;
+  }
+  for (int64_t i = i0 + threadIdx.x; i < n; i += kThreads) {
     const float v = row[i];
     if (v > bv) bv = v, bi = i;
   }

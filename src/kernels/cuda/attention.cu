@@ -25,6 +25,7 @@ struct AttnParams {
   const float* sink;
   float scale;
   const float* inv_freq;
+  const float* q_inv_freq;  // non-null: RoPE the queries in the kernel (mma kernel only)
   void* out;
   const int64_t* d_pos;
   float* work;
@@ -326,6 +327,22 @@ __global__ void __launch_bounds__(128) attn_mma_kernel(AttnParams p) {
     const int h = i / (HD / 8), c = i - h * (HD / 8);
     *reinterpret_cast<uint4*>(q_s + h * QS + c * 8) = *reinterpret_cast<const uint4*>(qg + h * HD + c * 8);
   }
+  if (p.q_inv_freq) {
+    // RoPE of the queries at this row's position, rounded to bf16: what rope() would
+    // have written to q before the call (same rope_cs / rope_pair), one launch fewer
+    __syncthreads();
+    const int np = p.n_pairs, off = HD - 2 * np;
+    for (int i = tid; i < 16 * np; i += 128) {
+      const int h = i / np, k = i - h * np;
+      float c, s;
+      rope_cs(static_cast<float>(pos), p.q_inv_freq[k], c, s);
+      uint16_t* qp = reinterpret_cast<uint16_t*>(q_s + h * QS + off + 2 * k);
+      float ra, rb;
+      rope_pair(bf16_to_f32(qp[0]), bf16_to_f32(qp[1]), c, s, false, ra, rb);
+      qp[0] = f32_to_bf16(ra);
+      qp[1] = f32_to_bf16(rb);
+    }
+  }
   if (tid < 16) {
     m_s[tid] = -INFINITY;
     l_s[tid] = 0.0f;
@@ -473,32 +490,64 @@ __global__ void __launch_bounds__(128) attn_mma_kernel(AttnParams p) {
 }
 
 // Combine of the row splits: one block per (head, query), one thread per dim.
+constexpr int kMaxCombineSplits = 256;
 template <typename T, int HD>
 __global__ void __launch_bounds__(HD) attn_combine_kernel(int H, int S, const float* __restrict__ work,
                                                           const float* __restrict__ sink_arr, int n_pairs,
                                                           const float* __restrict__ inv_freq, T* __restrict__ out,
                                                           const int64_t* __restrict__ d_pos) {
+  __shared__ float fs[kMaxCombineSplits];  // m_s, then exp(m_s - M), per split
+  __shared__ float ls[kMaxCombineSplits];  // l_s per split
+  __shared__ float cs[2 * (HD / 2)];       // inverse-RoPE cos / sin per pair
+  __shared__ float den_s;
   const int h = blockIdx.x, t = blockIdx.y, d = threadIdx.x;
-  const float sink = sink_arr[h];
   const float* w0 = work + (static_cast<int64_t>(t) * S * H + h) * (HD + 2);
   const int64_t sstride = static_cast<int64_t>(H) * (HD + 2);
-  // loops unrolled so that the loads of several splits are in flight together (the
-  // split results come from L2; the arithmetic order is unchanged)
-  float M = sink;
-#pragma unroll 8
-  for (int s = 0; s < S; ++s) M = fmaxf(M, __ldcg(w0 + s * sstride));
-  float den = expf(sink - M), o = 0.0f;
-#pragma unroll 8
-  for (int s = 0; s < S; ++s) {
-    const float* w = w0 + s * sstride;
-    const float f = expf(__ldcg(w) - M);
-    den = fmaf(__ldcg(w + 1), f, den);
-    o = fmaf(__ldcg(w + 2 + d), f, o);
+  // The split maxima and denominators are read once (warp 0), not by every thread, and
+  // the rope table is computed meanwhile by another warp; then each thread reads its S
+  // values with independent loads (one round of L2 latency instead of six).
+  if (d < 32) {
+    for (int s = d; s < S; s += 32) {  // m_s, l_s of every split, loaded in parallel
+      fs[s] = __ldcg(w0 + s * sstride);
+      ls[s] = __ldcg(w0 + s * sstride + 1);
+    }
+    __syncwarp();
+    if (d == 0) {  // M and the denominator in split order: e^(sink-M) + sum_s l_s e^(m_s-M)
+      const float sink = sink_arr[h];
+      float M = sink;
+      for (int s = 0; s < S; ++s) M = fmaxf(M, fs[s]);
+      float den = expf(sink - M);
+      for (int s = 0; s < S; ++s) {
+        const float f = expf(fs[s] - M);
+        fs[s] = f;
+        den = fmaf(ls[s], f, den);
+      }
+      den_s = den;
+    }
+  } else if (inv_freq && d >= 32 && d < 32 + n_pairs) {
+    const int k = d - 32;
+    rope_cs(static_cast<float>(*d_pos + t), inv_freq[k], cs[k], cs[HD / 2 + k]);
   }
-  float v = rnd<T>(o / den);
-  if (inv_freq) {
-    const float pos = static_cast<float>(*d_pos + t);
-    v = rnd<T>(rope_lane(v, d, HD, n_pairs, pos, inv_freq, true));
+  __syncthreads();
+  float o = 0.0f;
+#pragma unroll 8
+  for (int s = 0; s < S; ++s) o = fmaf(__ldcg(w0 + s * sstride + 2 + d), fs[s], o);
+  float v = rnd<T>(o / den_s);
+  if (inv_freq) {  // the conjugate rotation of pair (d, d ^ 1), as rope_lane(.., inverse = true)
+    const float other = __shfl_xor_sync(0xffffffffu, v, 1);
+    const int off = HD - 2 * n_pairs;
+    if (d >= off) {
+      const int k = (d - off) >> 1;
+      float ra, rb;
+      if ((d & 1) == 0) {
+        rope_pair(v, other, cs[k], cs[HD / 2 + k], true, ra, rb);
+        v = ra;
+      } else {
+        rope_pair(other, v, cs[k], cs[HD / 2 + k], true, ra, rb);
+        v = rb;
+      }
+      v = rnd<T>(v);
+    }
   }
   st(out, (static_cast<int64_t>(t) * H + h) * HD + d, v);
 }
@@ -594,12 +643,14 @@ size_t attention_work_floats(int T, int n_heads, int head_dim, int n_splits) {
 
 int attention_decode_splits(int window, int max_sel) {
   const int s = (window + max_sel + kC - 1) / kC;
-  return s < 1 ? 1 : s;
+  return s < 1 ? 1 : s > kMaxCombineSplits ? kMaxCombineSplits : s;
 }
 
 void sparse_attention(Act act, const AttnArgs& a, cudaStream_t stream) {
   if (a.T <= 0) return;
   DSX_CHECK(a.n_splits >= 1 && (a.n_splits == 1 || a.work), "sparse_attention: splitting needs a workspace");
+  DSX_CHECK(a.n_splits <= kMaxCombineSplits, "sparse_attention: at most ", kMaxCombineSplits, " splits");
+  DSX_CHECK(!a.q_inv_freq || (a.n_pairs > 0 && 2 * a.n_pairs <= a.head_dim), "sparse_attention: query rope pairs");
   DSX_CHECK(a.ring.dim == a.head_dim && a.chunk.dim == a.head_dim, "sparse_attention: window row width");
   DSX_CHECK(!a.sel || (a.cmp.packed && a.cmp.dim == a.head_dim && a.sel_count), "sparse_attention: compressed rows");
   DSX_CHECK(a.window >= 1 && a.ring_cap >= a.window, "sparse_attention: window");
@@ -623,6 +674,14 @@ void sparse_attention(Act act, const AttnArgs& a, cudaStream_t stream) {
   prm.scale = a.scale;
   prm.inv_freq = a.inv_freq;
   prm.out = a.out;
+  if (a.q_inv_freq) {
+    // the tensor-core kernel rotates the queries itself; the others get them rotated
+    // in place first (rope(), as the caller would have done)
+    if (act == Act::BF16 && a.tensor_cores && a.n_heads % 16 == 0 && a.head_dim % 64 == 0 && mma_available())
+      prm.q_inv_freq = a.q_inv_freq;
+    else
+      rope(act, const_cast<void*>(a.q), a.T, a.n_heads, a.head_dim, a.n_pairs, a.q_inv_freq, a.d_pos, false, stream);
+  }
   prm.d_pos = a.d_pos;
   prm.work = a.work;
   DSX_DISPATCH_ACT(act, T, dispatch_hd<T>(a, prm, stream));

@@ -29,7 +29,11 @@ struct AttnArgs {
   int n_heads = 0;               // H (multiple of 16, or 2/4/8)
   int head_dim = 0;              // 64, 128, 256 or 512
   int window = 0;                // W
-  const void* q = nullptr;       // [T, H, head_dim] act, post-RoPE
+  const void* q = nullptr;       // [T, H, head_dim] act, post-RoPE (unless q_inv_freq)
+  // non-null: q is pre-RoPE; the queries get RoPE at their positions (n_pairs pairs,
+  // this table, rounded to act) as rope() would do; the tensor-core kernel applies it
+  // to its shared-memory copy (q is left as is), the other paths rotate q in place first.
+  const float* q_inv_freq = nullptr;
   Fq8Rows ring;                  // the layer's window ring (positions < p0)
   int ring_cap = 0;
   Fq8Rows chunk;                 // window rows of this chunk (row i = position p0 + i)

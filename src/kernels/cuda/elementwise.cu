@@ -100,7 +100,8 @@ __global__ void rope_fq4e8_kernel(const T* __restrict__ in, float* __restrict__ 
 template <typename T>
 __global__ void kv_finish_kernel(const T* __restrict__ kv, const float* __restrict__ w, float eps, int hd, int np,
                                  const float* __restrict__ inv_freq, const int64_t* __restrict__ d_pos,
-                                 uint8_t* __restrict__ codes, uint8_t* __restrict__ scales) {
+                                 uint8_t* __restrict__ codes, uint8_t* __restrict__ scales,
+                                 uint8_t* __restrict__ ring_codes, uint8_t* __restrict__ ring_scales, int ring_cap) {
   __shared__ double red[32];
   const int64_t row = blockIdx.x;
   const int d = threadIdx.x;
@@ -113,6 +114,11 @@ __global__ void kv_finish_kernel(const T* __restrict__ kv, const float* __restri
   const QCode q = fq8_group(y);
   codes[row * hd + d] = q.code;
   if ((d & 31) == 0) scales[row * (hd / 32) + d / 32] = ue8m0_byte(q.scale);
+  if (ring_codes) {  // the window ring's slot of this position too (kv_finish's contract)
+    const int64_t slot = (*d_pos + row) % ring_cap;
+    ring_codes[slot * hd + d] = q.code;
+    if ((d & 31) == 0) ring_scales[slot * (hd / 32) + d / 32] = ue8m0_byte(q.scale);
+  }
 }
 
 // ---- standalone fake-quantizers ----------------------------------------------------
@@ -222,14 +228,17 @@ void rope_fq4e8(Act act, const void* in, float* out, int rows, int heads, int he
 }
 
 void kv_finish(Act act, const void* kv, const float* kv_norm, float eps, int rows, int head_dim, int n_pairs,
-               const float* inv_freq, const int64_t* d_pos, const Fq8Rows& out, cudaStream_t stream) {
+               const float* inv_freq, const int64_t* d_pos, const Fq8Rows& out, cudaStream_t stream,
+               const Fq8Rows* ring, int ring_cap) {
   if (rows <= 0) return;
   DSX_CHECK(head_dim % 32 == 0 && head_dim <= 1024 && 2 * n_pairs <= head_dim && out.dim == head_dim,
             "kv_finish: bad geometry");
+  DSX_CHECK(!ring || (rows == 1 && ring->dim == head_dim && ring_cap >= 1), "kv_finish: the ring copy is for one row");
   DSX_DISPATCH_ACT(act, T,
                    kv_finish_kernel<T><<<rows, head_dim, 0, stream>>>(static_cast<const T*>(kv), kv_norm, eps,
                                                                       head_dim, n_pairs, inv_freq, d_pos, out.codes,
-                                                                      out.scales));
+                                                                      out.scales, ring ? ring->codes : nullptr,
+                                                                      ring ? ring->scales : nullptr, ring_cap));
   check_launch("kv_finish");
 }
 

@@ -50,8 +50,13 @@ void rope_fq4e8(Act act, const void* in, float* out, int rows, int heads, int he
 // roundings after the norm and after the RoPE; written as compact rows (row r of
 // `out` = chunk row r). kv: [rows, head_dim] act (the wkv output).
 // head_dim % 32 == 0, head_dim <= 1024.
+// ring (one row only, i.e. a decode step): also writes the row into the window ring slot
+// (pos % ring_cap), which is what window_store would do after the attention. Safe for
+// one query: its attention reads the ring only for positions pos - window + 1 .. pos - 1,
+// and with ring_cap >= window the slot written (position pos - ring_cap) is not one of them.
 void kv_finish(Act act, const void* kv, const float* kv_norm, float eps, int rows, int head_dim, int n_pairs,
-               const float* inv_freq, const int64_t* d_pos, const Fq8Rows& out, cudaStream_t stream);
+               const float* inv_freq, const int64_t* d_pos, const Fq8Rows& out, cudaStream_t stream,
+               const Fq8Rows* ring = nullptr, int ring_cap = 0);
 
 // Standalone fake-quantizers, in place on f32 data of n elements (n % block == 0):
 // bit-exact with dsx::cpu::qa8_inplace(.., 32) / fq4_e8_inplace(.., 32) /

@@ -1,6 +1,7 @@
 #include "kernels/cuda/gemv.h"
 
 #include <algorithm>
+#include <cstdio>
 
 #include "kernels/cuda/gemv_device.cuh"
 #include "kernels/cuda/gemv_ring_device.cuh"
@@ -150,15 +151,21 @@ __global__ void split_reduce_kernel(const float* __restrict__ part, int KB, int 
 
 // ---------------------------------------------------------------------------------
 // Tensor-core path (see gemv_device.cuh): QA8'd activations against FP8_BLOCK / MXFP4
-// weights, qblock 32, one group, T <= 8 (FP8) / 4 (MXFP4). A block of 8 warps stages
-// the activations once (after issuing its first weight loads), then each warp streams
-// 16-row tiles; KS warps split K and their partial sums are added in a fixed order.
+// weights, qblock 32, one group, T <= 8 (FP8) / 4 (MXFP4); and (QA = false, shared ring
+// only) FP8_BLOCK against unquantized bf16 activations, grouped (wo_a). A block of 8
+// warps stages the activations once (after issuing its first weight loads), then each
+// warp streams 16-row tiles; KS warps split K and their partial sums are added in a
+// fixed order. Groups: the grid is G equal slices of bpg blocks, slice g streaming only
+// the tiles of group g (rows [g N, (g+1) N), N % 16 == 0 when G > 1), so a block stages
+// only its group's activations x[t, g K .. (g+1) K).
 
 struct MmaParams {
   dev::WView W;
-  int64_t N;
+  int64_t N;  // rows per group
+  int G = 1;  // groups
+  int64_t bpg = 0;  // blocks per group (gridDim.x = G * bpg)
   int NB, nsp, KS, TPB, tstride;
-  int64_t n_tiles, ntg;
+  int64_t n_tiles, ntg;  // per group
   const void* x;
   int xt;
   int64_t ldx;
@@ -174,7 +181,8 @@ struct MmaParams {
 // unrolled groups of U spans are branch-free and the compiler overlaps their latencies.
 // R (ring): the spans in flight live in a shared-memory ring filled by cp.async
 // (gemv_device.cuh, U in flight per warp) instead of registers.
-template <WFormat F, bool HW, int P, int U, bool R = false>
+// QA = false: the activations are staged without QA8 (stage_b_mma<F, HW, false>).
+template <WFormat F, bool HW, int P, int U, bool R = false, bool QA = true>
 __global__ void __launch_bounds__(kThreads, R ? 1 : 2) gemv_mma_kernel(const MmaParams p) {
   extern __shared__ uint4 smem_mma[];
   __shared__ uint4 s_zero[4];
@@ -188,9 +196,15 @@ __global__ void __launch_bounds__(kThreads, R ? 1 : 2) gemv_mma_kernel(const Mma
   const int s_hi = static_cast<int>(static_cast<int64_t>(p.nsp) * (wk + 1) / p.KS);
   const int nspw = s_hi - s_lo;
   const int Pw = ((p.nsp + p.KS - 1) / p.KS + U - 1) / U * U;  // padded spans per tile (uniform)
-  const int rounds = static_cast<int>((p.ntg - blockIdx.x + gridDim.x - 1) / gridDim.x);
-  const int64_t tile_step = static_cast<int64_t>(gridDim.x) * p.TPB;
-  const int64_t tile0 = static_cast<int64_t>(blockIdx.x) * p.TPB + wr;
+  // this block's group and its place in the group's slice of the grid (groups: shared
+  // ring only; the register ring keeps its registers for the spans: grp = 0 folds away)
+  const int grp = R ? static_cast<int>(blockIdx.x / p.bpg) : 0;
+  const int64_t bx = blockIdx.x - static_cast<int64_t>(grp) * p.bpg;
+  const int64_t grow0 = static_cast<int64_t>(grp) * p.N;  // first weight row / output of the group
+  const int64_t row_last = grow0 + p.N - 1;                // loads clamp rows to the group
+  const int rounds = static_cast<int>((p.ntg - bx + p.bpg - 1) / p.bpg);
+  const int64_t tile_step = p.bpg * p.TPB;
+  const int64_t tile0 = bx * p.TPB + wr;  // tile index within the group
   if (threadIdx.x < 4) s_zero[threadIdx.x] = make_uint4(0, 0, 0, 0);
 
   // load cursor: (round, k) with k < Pw (register ring); spans k >= nspw and rounds
@@ -201,7 +215,7 @@ __global__ void __launch_bounds__(kThreads, R ? 1 : 2) gemv_mma_kernel(const Mma
     l_k = wrap ? 0 : l_k;
     l_r += wrap ? 1 : 0;
   };
-  auto row_of = [&](int r) { return (tile0 + static_cast<int64_t>(r) * tile_step) * 16; };
+  auto row_of = [&](int r) { return grow0 + (tile0 + static_cast<int64_t>(r) * tile_step) * 16; };  // weight row
   dev::MmaSlot<F> regs[R ? 1 : U];
   dev::RingLoad ld;
   int slot_in = 0;
@@ -209,22 +223,24 @@ __global__ void __launch_bounds__(kThreads, R ? 1 : 2) gemv_mma_kernel(const Mma
   auto ring_issue = [&]() {
     ld.issue(ring + slot_in * 64, lane);
     slot_in = slot_in == U ? 0 : slot_in + 1;
-    if (ld.left == 0 && l_r + 1 < rounds) ld.set(p.W, row_of(++l_r), p.N - 1, s_lo, s_hi, lane);
+    if (ld.left == 0 && l_r + 1 < rounds) ld.set(p.W, row_of(++l_r), row_last, s_lo, s_hi, lane);
   };
   if constexpr (R) {
-    if (rounds > 0) ld.set(p.W, row_of(0), p.N - 1, s_lo, s_hi, lane);
+    if (rounds > 0) ld.set(p.W, row_of(0), row_last, s_lo, s_hi, lane);
 #pragma unroll 1
     for (int u = 0; u < U; ++u) ring_issue();
   } else {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      dev::mma_slot_load<F>(regs[u], p.W, row_of(l_r), p.N - 1, s_lo + l_k, p.NB, lane, l_k < nspw && l_r < rounds);
+      dev::mma_slot_load<F>(regs[u], p.W, row_of(l_r), row_last, s_lo + l_k, p.NB, lane,
+                            l_k < nspw && l_r < rounds);
       advance();
     }
   }
 
   dev::pdl_wait();
-  dev::stage_b_mma<F, HW>(bs, sas, p.tstride, p.T, p.NB, p.x, p.xt, p.ldx, 0, p.prescale);
+  dev::stage_b_mma<F, HW, QA>(bs, sas, p.tstride, p.T, p.NB, p.x, p.xt, p.ldx, static_cast<int64_t>(grp) * p.NB * 32,
+                              p.prescale);
   __syncthreads();
   dev::pdl_launch_dependents();
   const uint32_t* bzero = reinterpret_cast<const uint32_t*>(s_zero);
@@ -239,7 +255,7 @@ __global__ void __launch_bounds__(kThreads, R ? 1 : 2) gemv_mma_kernel(const Mma
     if constexpr (R) {
       static_assert(P == 1, "the shared ring streams one token pass");
       typename dev::RingCons<F>::type cons;
-      cons.set(p.W, row0, p.N - 1, bs, sas, p.tstride, p.T, p.NB, lane);
+      cons.set(p.W, row0, row_last, bs, sas, p.tstride, p.T, p.NB, lane);
 #pragma unroll 2
       for (int k = 0; k < nspw; ++k) {
         dev::cp_async_wait<U - 1>();
@@ -252,8 +268,8 @@ __global__ void __launch_bounds__(kThreads, R ? 1 : 2) gemv_mma_kernel(const Mma
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           dev::mma_slot_consume<F, HW, P>(regs[u], acc, bs, sas, p.tstride, p.T, s_lo + k0 + u, p.NB, lane, p.W,
-                                          row0, p.N - 1, bzero);
-          dev::mma_slot_load<F>(regs[u], p.W, row_of(l_r), p.N - 1, s_lo + l_k, p.NB, lane,
+                                          row0, row_last, bzero);
+          dev::mma_slot_load<F>(regs[u], p.W, row_of(l_r), row_last, s_lo + l_k, p.NB, lane,
                                 l_k < nspw && l_r < rounds);
           advance();
         }
@@ -269,7 +285,7 @@ __global__ void __launch_bounds__(kThreads, R ? 1 : 2) gemv_mma_kernel(const Mma
           for (int h = 0; h < 2; ++h) {
             const int rl = g + 8 * h;
             if (p.KS == 1) {
-              if (row0 + rl < p.N) dev::store_act(p.y, p.yt, t * p.ldy + row0 + rl, acc[pp][h]);
+              if (row0 - grow0 + rl < p.N) dev::store_act(p.y, p.yt, t * p.ldy + row0 + rl, acc[pp][h]);
             } else {
               red[((static_cast<int64_t>(r) * kWarps + warp) * 16 + rl) * 8 + t] = acc[pp][h];
             }
@@ -289,12 +305,12 @@ __global__ void __launch_bounds__(kThreads, R ? 1 : 2) gemv_mma_kernel(const Mma
       rest /= 16;
       const int wr2 = rest % p.TPB;
       const int r = rest / p.TPB;
-      const int64_t tile = static_cast<int64_t>(blockIdx.x) * p.TPB + wr2 + r * tile_step;
-      const int64_t row = tile * 16 + rl;
+      const int64_t tile = bx * p.TPB + wr2 + r * tile_step;
+      const int64_t row = tile * 16 + rl;  // within the group
       if (tile < p.n_tiles && row < p.N) {
         float sum = 0.f;
         for (int k2 = 0; k2 < p.KS; ++k2) sum += red[((static_cast<int64_t>(r) * kWarps + wr2 * p.KS + k2) * 16 + rl) * 8 + t];
-        dev::store_act(p.y, p.yt, t * p.ldy + row, sum);
+        dev::store_act(p.y, p.yt, t * p.ldy + grow0 + row, sum);
       }
     }
   }
@@ -337,15 +353,30 @@ int gemv_mma_depth() {
 
 namespace {
 
+// DSX_MMA_NOQA = 0: FP8 products without QA8 (wo_a) stay on the CUDA-core kernel.
+bool gemv_mma_noqa() {
+  static const bool v = env_int("DSX_MMA_NOQA", 1) != 0;
+  return v;
+}
+// DSX_GEMV_TRACE = 1: every gemv() call prints its shape and the kernel it ran to stderr.
+bool gemv_trace() {
+  static const bool v = env_int("DSX_GEMV_TRACE", 0) != 0;
+  return v;
+}
+thread_local const char* t_last_path = "";
+
 struct MmaPlan {
   bool ok = false;
   int KS = 1, TPB = 8, P = 1, nsp = 0, NB = 0;
-  int64_t n_tiles = 0, ntg = 0, grid = 0;
+  int64_t n_tiles = 0, ntg = 0, bpg = 0, grid = 0, rounds = 0;  // n_tiles, ntg, bpg: per group
   size_t smem = 0;
+  const char* why = nullptr;  // !ok: the reason
 };
 
+// Launch plan of gemv_mma_kernel for G groups of N rows (row_bytes each) x K inputs.
 template <typename Kern>
-MmaPlan mma_plan_for(Kern kern, WFormat f, int64_t N, int K, int T, int64_t row_bytes, size_t ring_bytes = 0) {
+MmaPlan mma_plan_for(Kern kern, WFormat f, int64_t N, int K, int T, int64_t row_bytes, size_t ring_bytes = 0,
+                     int G = 1) {
   MmaPlan pl;
   pl.NB = K / 32;
   pl.nsp = static_cast<int>((row_bytes + 63) / 64);
@@ -354,16 +385,25 @@ MmaPlan mma_plan_for(Kern kern, WFormat f, int64_t N, int K, int T, int64_t row_
   const size_t base = ring_bytes + static_cast<size_t>(T) * pl.NB * (64 + 4);
   const size_t red_round = static_cast<size_t>(kWarps) * 16 * 8 * 4;
   const size_t maxdyn = detail::max_dynamic_smem(kern);
-  if (base + 2 * red_round > std::min<size_t>(maxdyn, ring_bytes ? maxdyn : 110 * 1024)) return pl;
+  if (base + 2 * red_round > std::min<size_t>(maxdyn, ring_bytes ? maxdyn : 110 * 1024)) {
+    pl.why = "staged activations (+ ring) exceed shared memory";
+    return pl;
+  }
   const int occ = detail::occupancy(kern, kThreads, base + 2 * red_round);
-  const int64_t resident = static_cast<int64_t>(occ) * sm_count();
-  // K split: minimise waves * (bytes per warp item + a fixed cost), larger split on ties
+  // resident blocks per group: each group streams its tiles on an equal slice of the grid
+  const int64_t resident = std::max<int64_t>(1, static_cast<int64_t>(occ) * sm_count() / G);
+  // K split: minimise waves * (bytes per warp item + a fixed cost), larger split on ties,
+  // among the splits whose partial sums fit `red` (2 rounds). Checking the rounds only
+  // after the choice sent engram_wkv [25600, 6144] to the CUDA-core kernel: there split 8
+  // (7 waves of 1/8 rows) ties with split 1 (1 wave of whole rows), wins the tie, and
+  // its 7 rounds do not fit, so both tensor-core launches were refused.
   int ks = 1;
   double best = 1e300;
   for (int k = 1; k <= kWarps; k *= 2) {
     if (k > 1 && k * 2 > pl.nsp) break;
     const int64_t ntg = (pl.n_tiles * k + kWarps - 1) / kWarps;
-    const int64_t waves = (ntg + resident - 1) / resident;
+    const int64_t waves = (ntg + resident - 1) / resident;  // == rounds of the balanced grid
+    if (k > 1 && waves > 2) continue;
     const double cost = static_cast<double>(waves) * (16.0 * row_bytes / k + 2048.0);
     if (cost <= best) {
       best = cost;
@@ -374,20 +414,42 @@ MmaPlan mma_plan_for(Kern kern, WFormat f, int64_t N, int K, int T, int64_t row_
   pl.KS = ks;
   pl.TPB = kWarps / ks;
   pl.ntg = (pl.n_tiles + pl.TPB - 1) / pl.TPB;
-  pl.grid = detail::balanced_blocks(pl.ntg, resident);
-  const int64_t rounds = (pl.ntg + pl.grid - 1) / pl.grid;
-  if (ks > 1 && rounds > 2) return pl;  // (red sized for 2 rounds)
-  pl.smem = base + (ks > 1 ? static_cast<size_t>(rounds) * red_round : 0);
+  pl.bpg = detail::balanced_blocks(pl.ntg, resident);
+  pl.grid = pl.bpg * G;
+  pl.rounds = (pl.ntg + pl.bpg - 1) / pl.bpg;
+  if (ks > 1 && pl.rounds > 2) {  // (red sized for 2 rounds; only a forced DSX_MMA_KS gets here)
+    pl.why = "K split over more than 2 rounds";
+    return pl;
+  }
+  pl.smem = base + (ks > 1 ? static_cast<size_t>(pl.rounds) * red_round : 0);
   pl.ok = pl.smem <= maxdyn;
+  if (!pl.ok) pl.why = "partial sums exceed shared memory";
   return pl;
 }
 
-template <WFormat F, bool HW, int P, int U, bool R = false>
-bool try_launch_mma(const MmaParams& base, int K, cudaStream_t stream) {
-  auto kern = gemv_mma_kernel<F, HW, P, U, R>;
+// What gemv_mma did (gemv_last_path, DSX_GEMV_TRACE).
+struct MmaTry {
+  const char* path = nullptr;  // launched: "mma-ring" / "mma-register"
+  const char* why = nullptr;   // declined: the last reason
+  const char* ring_why = nullptr;  // the shared ring declined, the register ring was tried
+  MmaPlan pl;                  // plan of the last kernel tried (U > 0)
+  int U = 0;
+  bool ring = false;
+  bool no(const char* w) {
+    why = w;
+    return false;
+  }
+};
+
+template <WFormat F, bool HW, int P, int U, bool R = false, bool QA = true>
+bool try_launch_mma(const MmaParams& base, int K, cudaStream_t stream, MmaTry& tr) {
+  auto kern = gemv_mma_kernel<F, HW, P, U, R, QA>;
   const size_t ring = R ? static_cast<size_t>(kWarps) * (U + 1) * 1024 : 0;
-  MmaPlan pl = mma_plan_for(kern, F, base.N, K, base.T, base.W.row_bytes, ring);
-  if (!pl.ok) return false;
+  const MmaPlan pl = mma_plan_for(kern, F, base.N, K, base.T, base.W.row_bytes, ring, base.G);
+  tr.pl = pl;
+  tr.U = U;
+  tr.ring = R;
+  if (!pl.ok) return tr.no(pl.why);
   MmaParams p = base;
   p.NB = pl.NB;
   p.nsp = pl.nsp;
@@ -396,27 +458,23 @@ bool try_launch_mma(const MmaParams& base, int K, cudaStream_t stream) {
   p.tstride = pl.NB;
   p.n_tiles = pl.n_tiles;
   p.ntg = pl.ntg;
+  p.bpg = pl.bpg;
   detail::launch_pdl(kern, dim3(static_cast<unsigned>(pl.grid)), dim3(kThreads), pl.smem, stream, p);
+  tr.path = R ? "mma-ring" : "mma-register";
   return true;
 }
 
-// The tensor-core path when it applies; false: use the CUDA-core kernel.
+// The tensor-core path when it applies; false: use the CUDA-core kernel. qa8: QA8
+// applies to this product (uses_qa8).
 bool gemv_mma(const QMatrix& W, DType xt, const void* x, int64_t ldx, int T, DType yt, void* y, int64_t ldy,
-              const GemvOpts& o, const dev::WView& wv, cudaStream_t stream) {
+              const GemvOpts& o, bool qa8, const dev::WView& wv, cudaStream_t stream, MmaTry& tr) {
   const int mode = gemv_mma_mode();
-  if (mode == 0) return false;
-  if (!(W.fmt == WFormat::FP8_BLOCK || W.fmt == WFormat::MXFP4) || !o.qa8 || o.qblock != 32 || o.groups != 1)
-    return false;
-  if (xt != DType::BF16 && mode < 2) return false;
+  if (mode == 0) return tr.no("DSX_GEMV_MMA=0");
   const bool fp8 = W.fmt == WFormat::FP8_BLOCK;
-  if (T < 1 || T > (fp8 ? 8 : 4)) return false;
-  // MXFP4 at T <= 2: the CUDA-core kernel is as fast (the e2m1 decode makes the
-  // tensor-core loop compute-bound); the engine streams MXFP4 only through moe_decode.
-  if (!fp8 && T <= 2 && mode < 2) return false;
-  if (fp8 && W.block < 16) return false;
   MmaParams p{};
   p.W = wv;
-  p.N = W.rows;
+  p.N = W.rows / o.groups;
+  p.G = o.groups;
   p.x = x;
   p.xt = static_cast<int>(xt);
   p.ldx = ldx;
@@ -425,6 +483,28 @@ bool gemv_mma(const QMatrix& W, DType xt, const void* x, int64_t ldx, int T, DTy
   p.yt = static_cast<int>(yt);
   p.ldy = ldy;
   const int K = static_cast<int>(W.cols);
+  if (!qa8) {
+    // wo_a (spec §3.4.8): FP8 weights against unquantized bf16 activations, grouped, on
+    // the shared ring; the activations are staged as f16 with power-of-two block scales
+    // (exact for bf16, see noqa_block_exp in gemv_device.cuh), the rest is the QA8 kernel.
+    if (!fp8 || xt != DType::BF16) return tr.no("no QA8: tensor cores only for FP8 weights x bf16 activations");
+    if (!gemv_mma_noqa()) return tr.no("DSX_MMA_NOQA=0");
+    if (T > 4) return tr.no("no QA8: T > 4");
+    if (gemv_mma_ring() <= 0) return tr.no("no QA8: shared ring only (DSX_MMA_RING=0)");
+    if (o.groups > 1 && p.N % 16 != 0) return tr.no("no QA8: rows per group not a multiple of 16");
+    p.prescale = dev::fp8_mma_prescale<true>();
+    return gemv_mma_ring() >= 16 ? try_launch_mma<WFormat::FP8_BLOCK, true, 1, 16, true, false>(p, K, stream, tr)
+                                 : try_launch_mma<WFormat::FP8_BLOCK, true, 1, 8, true, false>(p, K, stream, tr);
+  }
+  // (one group: the register ring does not support groups; the shared ring would)
+  if (!(fp8 || W.fmt == WFormat::MXFP4) || o.qblock != 32 || o.groups != 1)
+    return tr.no("QA8: needs qblock 32 and one group");
+  if (xt != DType::BF16 && mode < 2) return tr.no("F32 mode (DSX_GEMV_MMA=2 enables it)");
+  if (T > (fp8 ? 8 : 4)) return tr.no("T too large");
+  // MXFP4 at T <= 2: the CUDA-core kernel is as fast (the e2m1 decode makes the
+  // tensor-core loop compute-bound); the engine streams MXFP4 only through moe_decode.
+  if (!fp8 && T <= 2 && mode < 2) return tr.no("MXFP4 at T <= 2");
+  if (fp8 && W.block < 16) return tr.no("FP8 tile < 16");
   if (gemv_mma_ring() > 0 && T <= (fp8 ? 4 : 2)) {
     // shared ring, one token pass: depth 8 (DSX_MMA_RING=16: 16) spans in flight per
     // warp; FP8 with the hardware e4m3 conversion. Falls through when it does not fit.
@@ -432,12 +512,13 @@ bool gemv_mma(const QMatrix& W, DType xt, const void* x, int64_t ldx, int T, DTy
     p.prescale = fp8 ? dev::fp8_mma_prescale<true>() : dev::kMx4MmaPrescale;
     bool ok;
     if (fp8)
-      ok = r16 ? try_launch_mma<WFormat::FP8_BLOCK, true, 1, 16, true>(p, K, stream)
-               : try_launch_mma<WFormat::FP8_BLOCK, true, 1, 8, true>(p, K, stream);
+      ok = r16 ? try_launch_mma<WFormat::FP8_BLOCK, true, 1, 16, true>(p, K, stream, tr)
+               : try_launch_mma<WFormat::FP8_BLOCK, true, 1, 8, true>(p, K, stream, tr);
     else
-      ok = r16 ? try_launch_mma<WFormat::MXFP4, false, 1, 16, true>(p, K, stream)
-               : try_launch_mma<WFormat::MXFP4, false, 1, 8, true>(p, K, stream);
+      ok = r16 ? try_launch_mma<WFormat::MXFP4, false, 1, 16, true>(p, K, stream, tr)
+               : try_launch_mma<WFormat::MXFP4, false, 1, 8, true>(p, K, stream, tr);
     if (ok) return true;
+    tr.ring_why = tr.why;
   }
   // register ring; spans in flight: 8 only pays off when each warp streams >= 32 spans
   // (FP8, long K)
@@ -451,20 +532,20 @@ bool gemv_mma(const QMatrix& W, DType xt, const void* x, int64_t ldx, int T, DTy
   if (fp8) {
     if (gemv_mma_hwcvt()) {
       p.prescale = dev::fp8_mma_prescale<true>();
-      return T <= 4 ? try_launch_mma<WFormat::FP8_BLOCK, true, 1, 8>(p, K, stream)
-                    : try_launch_mma<WFormat::FP8_BLOCK, true, 2, 4>(p, K, stream);
+      return T <= 4 ? try_launch_mma<WFormat::FP8_BLOCK, true, 1, 8>(p, K, stream, tr)
+                    : try_launch_mma<WFormat::FP8_BLOCK, true, 2, 4>(p, K, stream, tr);
     }
     p.prescale = dev::fp8_mma_prescale<false>();
     if (T <= 4)
-      return deep ? try_launch_mma<WFormat::FP8_BLOCK, false, 1, 8>(p, K, stream)
-                  : try_launch_mma<WFormat::FP8_BLOCK, false, 1, 4>(p, K, stream);
-    return try_launch_mma<WFormat::FP8_BLOCK, false, 2, 4>(p, K, stream);
+      return deep ? try_launch_mma<WFormat::FP8_BLOCK, false, 1, 8>(p, K, stream, tr)
+                  : try_launch_mma<WFormat::FP8_BLOCK, false, 1, 4>(p, K, stream, tr);
+    return try_launch_mma<WFormat::FP8_BLOCK, false, 2, 4>(p, K, stream, tr);
   }
   p.prescale = dev::kMx4MmaPrescale;
   if (T <= 2)
-    return deep ? try_launch_mma<WFormat::MXFP4, false, 1, 8>(p, K, stream)
-                : try_launch_mma<WFormat::MXFP4, false, 1, 4>(p, K, stream);
-  return try_launch_mma<WFormat::MXFP4, false, 2, 4>(p, K, stream);
+    return deep ? try_launch_mma<WFormat::MXFP4, false, 1, 8>(p, K, stream, tr)
+                : try_launch_mma<WFormat::MXFP4, false, 1, 4>(p, K, stream, tr);
+  return try_launch_mma<WFormat::MXFP4, false, 2, 4>(p, K, stream, tr);
 }
 
 struct Plan {
@@ -572,7 +653,43 @@ int log2i(int v) {
   return s;
 }
 
+// Records the kernel a gemv() call ran (gemv_last_path) and, with DSX_GEMV_TRACE=1,
+// prints one line per call: shape, options, path and its plan (the CUDA-core kernel: why
+// the tensor-core path declined).
+void note_path(const QMatrix& W, DType xt, DType yt, int T, const GemvOpts& o, bool qa8, const char* path,
+               const MmaTry* mt, const Plan* pl) {
+  t_last_path = path;
+  if (!gemv_trace()) return;
+  const char* fmt = W.fmt == WFormat::FP8_BLOCK ? "fp8" : W.fmt == WFormat::MXFP4 ? "mxfp4"
+                    : W.fmt == WFormat::BF16    ? "bf16"
+                                                : "f32";
+  auto act = [](DType t) { return t == DType::BF16 ? "bf16" : "f32"; };
+  char line[512];
+  int n = std::snprintf(line, sizeof line, "dsx gemv: %s %s/%d N=%lld K=%lld groups=%d T=%d qa8=%d xt=%s yt=%s -> %s",
+                        W.name.empty() ? "(unnamed)" : W.name.c_str(), fmt, W.block, static_cast<long long>(W.rows),
+                        static_cast<long long>(W.cols), o.groups, T, qa8 ? 1 : 0, act(xt), act(yt), path);
+  auto add = [&](auto... a) {
+    if (n >= 0 && n < static_cast<int>(sizeof line)) n += std::snprintf(line + n, sizeof line - n, a...);
+  };
+  if (mt && mt->ring_why) add(" [shared ring declined: %s]", mt->ring_why);
+  if (mt && mt->U > 0) {
+    const MmaPlan& m = mt->pl;
+    add(" %s%s U=%d KS=%d TPB=%d grid=%lld (%d x %lld) rounds=%lld smem=%zu", mt->path ? "" : "[declined: ",
+        mt->path ? "" : (mt->why ? mt->why : "?"), mt->U, m.KS, m.TPB, static_cast<long long>(m.grid), o.groups,
+        static_cast<long long>(m.bpg), static_cast<long long>(m.rounds), m.smem);
+    if (!mt->path) add(" (%s ring)]", mt->ring ? "shared" : "register");
+  } else if (mt && mt->why) {
+    add(" [mma declined: %s]", mt->why);
+  }
+  if (pl)
+    add(" TT=%d KS=%d KB=%d rows/block=%d row_groups=%lld smem=%zu", pl->TT, pl->KS, pl->KB, pl->rows_per_block,
+        static_cast<long long>(pl->row_groups), pl->smem);
+  std::fprintf(stderr, "%s\n", line);
+}
+
 }  // namespace
+
+const char* gemv_last_path() { return t_last_path; }
 
 size_t gemv_split_ws_bytes(const QMatrix& W, int T, const GemvOpts& o) {
   const int G = o.groups;
@@ -606,9 +723,13 @@ void gemv(const QMatrix& W, DType xt, const void* x, int64_t ldx, int T, DType y
     case WFormat::BF16: p.W.row_bytes = W.cols * 2; break;
     case WFormat::F32: p.W.row_bytes = W.cols * 4; break;
   }
-  if (gemv_stream(W, p.W, xt, x, ldx, T, yt, y, ldy, o, qa8, stream)) return;
-  if (qa8 && gemv_mma(W, xt, x, ldx, T, yt, y, ldy, o, p.W, stream)) return;
+  if (gemv_stream(W, p.W, xt, x, ldx, T, yt, y, ldy, o, qa8, stream))
+    return note_path(W, xt, yt, T, o, qa8, "stream", nullptr, nullptr);
+  MmaTry mt;
+  if (gemv_mma(W, xt, x, ldx, T, yt, y, ldy, o, qa8, p.W, stream, mt))
+    return note_path(W, xt, yt, T, o, qa8, mt.path, &mt, nullptr);
   const Plan pl = make_plan(W.fmt, N, K, G, T, qa8, o.qblock, o.split_ws ? o.split_ws_bytes : 0, sm_count());
+  note_path(W, xt, yt, T, o, qa8, "cuda-core", &mt, &pl);
   p.N = N;
   p.K = K;
   p.G = G;

@@ -6,8 +6,13 @@
 // f32 accumulation; the output is written as yt (bf16: rounded once, RNE).
 // BF16 mode (xt == BF16) runs FP8_BLOCK (T <= 8) and MXFP4 (3 <= T <= 4) products with
 // QA8 (qblock 32, one group) on the tensor cores (gemv_device.cuh: exact f16 operands,
-// one mma chain per 32-element scale block, f32 accumulation); everything else, and F32
-// mode, on the CUDA-core kernel. Switches: gemv_launch.h (DSX_GEMV_MMA, DSX_PDL, ...).
+// one mma chain per 32-element scale block, f32 accumulation), and FP8_BLOCK products
+// without QA8 (wo_a, grouped, T <= 4) too, with the bf16 activations staged as f16 times
+// a power of two per 32-element block (exact within 2^31 of the block maximum;
+// gemv_device.cuh noqa_block_exp); everything else, and F32 mode, on the CUDA-core
+// kernel. Switches: gemv_launch.h (DSX_GEMV_MMA, DSX_PDL, ...); DSX_MMA_NOQA=0 keeps the
+// products without QA8 on the CUDA-core kernel; DSX_GEMV_TRACE=1 prints every call's
+// shape and kernel to stderr.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -41,6 +46,10 @@ struct GemvOpts {
 // row stride ldy. Requires W.cols % 32 == 0 (and % qblock when QA8 applies).
 void gemv(const QMatrix& W, DType xt, const void* x, int64_t ldx, int T, DType yt, void* y, int64_t ldy,
           const GemvOpts& opts, cudaStream_t stream);
+
+// The kernel the last gemv() call of this thread ran: "stream", "mma-ring",
+// "mma-register" or "cuda-core" ("" before the first call). For tests and diagnostics.
+const char* gemv_last_path();
 
 // Workspace bytes that let gemv use its largest K split for this shape (0 if it never
 // splits K over blocks for this shape).

@@ -295,6 +295,8 @@ __device__ __forceinline__ void warp_reduce(float (&acc)[RPW][TT]) {
 //         2(c&1)+1; lanes c and c^1 are summed at the end of the tile.
 // The activations are staged once per block in shared memory as f16 code pairs in the
 // order the B fragments need (stage_b_mma), with the per-block activation scales.
+// Products without QA8 (wo_a) stage the activations themselves as f16 with a power-of-two
+// scale per 32-element block instead of codes (exact for bf16 inputs, see noqa_block_exp).
 
 __device__ __forceinline__ void mma_f16_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                               uint32_t b0, uint32_t b1) {
@@ -641,12 +643,41 @@ __device__ __forceinline__ void load_act8(const void* x, int xt, int64_t i, floa
   }
 }
 
-// Stage nt activation rows x[t, xoff .. xoff + 32 NB) (row stride ldx, type xt) as QA8
-// codes (qblock 32) in the B-fragment order of format F into bs ([nt][tstride][16]
-// words) and the scales times prescale into sas ([nt][tstride]). All threads of the block.
-// If fq != nullptr the fake-quantized values code * scale are also written to
-// fq[t * ldq + k] (f32).
-template <WFormat F, bool HW>
+// f16x2 of (lo, hi), each rounded to nearest even (stage_b_mma without QA8).
+__device__ __forceinline__ uint32_t f16_pair(float lo, float hi) {
+  return static_cast<uint32_t>(__half_as_ushort(__float2half_rn(lo))) |
+         (static_cast<uint32_t>(__half_as_ushort(__float2half_rn(hi))) << 16);
+}
+
+// Activation scale exponent of a 32-element block staged WITHOUT QA8 (wo_a, spec
+// §3.4.8: bf16 activations enter the product unquantized). The block is staged as the
+// f16 values x * 2^-e with 2^e = 2^(floor(log2 m) - 14) for the block amax m, so the
+// amax maps into [2^14, 2^15) (headroom below the f16 maximum 65504: no overflow even
+// for f32 inputs), and 2^e is the block's scale in sas, applied in f32 to the block sum
+// exactly like a QA8 scale.
+// Exactness: a bf16 value has an 8-bit significand, so its scaled value is an f16 exactly
+// when it is >= 2^-17 in magnitude (f16 normals >= 2^-14 have 11 bits; subnormals are
+// multiples of 2^-24). Hence every element with |x| >= 2^(floor(log2 m) - 31) (i.e. all
+// within 2^31 of the block max) is staged exactly, and its products with the (exact)
+// weights are exact and summed in f32, as in the QA8 path. Smaller elements are rounded
+// to the nearest multiple of 2^(e-24): an absolute error <= 2^(floor(log2 m) - 39) <=
+// 2^-39 m per element, 2^15 times below the f32 rounding of m itself. (f32 inputs, which
+// gemv.cu does not stage this way: values with more than 11 significant bits are also
+// rounded to f16, relative 2^-12.)
+// Special blocks: m == 0 (all zeros) -> e = 0, zeros; m infinite -> e = 0 (the infinities
+// and out-of-range values become f16 infinities: the sums are inf / NaN as the
+// reference's); NaNs (ignored by the amax) stay NaN and propagate to the block's sums.
+// Tiny blocks: when weight scale * 2^e falls below the f32 normal range (2^-126), the
+// block's contribution (then < 2^-97 in absolute value) is rounded or lost.
+__device__ __forceinline__ int noqa_block_exp(float m) { return (m > 0.f && isfinite(m)) ? ilogbf(m) - 14 : 0; }
+
+// Stage nt activation rows x[t, xoff .. xoff + 32 NB) (row stride ldx, type xt) in the
+// B-fragment order of format F into bs ([nt][tstride][16] words) and the per-32-block
+// scales times prescale into sas ([nt][tstride]). QA8: QA8 codes (qblock 32) and their
+// scales; !QA8: the activations themselves as f16 with a power-of-two block scale (see
+// noqa_block_exp; FP8 only). All threads of the block. If fq != nullptr the staged values
+// times their scale (QA8: the fake-quantized values) are also written to fq[t * ldq + k] (f32).
+template <WFormat F, bool HW, bool QA8 = true>
 __device__ __forceinline__ void stage_b_mma(uint32_t* bs, float* sas, int tstride, int nt, int NB, const void* x,
                                             int xt, int64_t ldx, int64_t xoff, float prescale, float* fq = nullptr,
                                             int64_t ldq = 0) {
@@ -672,21 +703,27 @@ __device__ __forceinline__ void stage_b_mma(uint32_t* bs, float* sas, int tstrid
     m = fmaxf(m, __shfl_xor_sync(kFull, m, 1));
     m = fmaxf(m, __shfl_xor_sync(kFull, m, 2));
     if (!ok) continue;
-    const float sc = qa8_scale(m);
-    const float inv = 1.0f / sc;  // exact: sc is a power of two in [2^-22, 2^126]
-    float q[8];
+    static_assert(QA8 || F == WFormat::FP8_BLOCK, "no-QA8 staging is for FP8 weights");
+    float sc, q[8];
+    if constexpr (QA8) {
+      sc = qa8_scale(m);
+      const float inv = 1.0f / sc;  // exact: sc is a power of two in [2^-22, 2^126]
 #pragma unroll
-    for (int e = 0; e < 8; ++e) q[e] = v[e] * inv;  // == v / sc (exact scaling)
+      for (int e = 0; e < 8; ++e) q[e] = v[e] * inv;  // == v / sc (exact scaling)
+    } else {
+      const int ex = noqa_block_exp(m);
+      sc = ldexpf(1.0f, ex);  // (2^-147 or more for bf16 inputs: exact)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) q[e] = ldexpf(v[e], -ex);  // exact (2^-ex may not be an f32)
+    }
+    auto pair = [](float lo, float hi) { return QA8 ? e4m3_pair_f16(lo, hi) : f16_pair(lo, hi); };
     uint4 w;
     if constexpr (F == WFormat::MXFP4) {
-      w = make_uint4(e4m3_pair_f16(q[0], q[4]), e4m3_pair_f16(q[1], q[5]), e4m3_pair_f16(q[2], q[6]),
-                     e4m3_pair_f16(q[3], q[7]));
+      w = make_uint4(pair(q[0], q[4]), pair(q[1], q[5]), pair(q[2], q[6]), pair(q[3], q[7]));
     } else if constexpr (HW) {
-      w = make_uint4(e4m3_pair_f16(q[0], q[1]), e4m3_pair_f16(q[2], q[3]), e4m3_pair_f16(q[4], q[5]),
-                     e4m3_pair_f16(q[6], q[7]));
+      w = make_uint4(pair(q[0], q[1]), pair(q[2], q[3]), pair(q[4], q[5]), pair(q[6], q[7]));
     } else {  // P = (1, 3), Q = (0, 2) per quad
-      w = make_uint4(e4m3_pair_f16(q[1], q[3]), e4m3_pair_f16(q[0], q[2]), e4m3_pair_f16(q[5], q[7]),
-                     e4m3_pair_f16(q[4], q[6]));
+      w = make_uint4(pair(q[1], q[3]), pair(q[0], q[2]), pair(q[5], q[7]), pair(q[4], q[6]));
     }
     reinterpret_cast<uint4*>(bs + (static_cast<int64_t>(t) * tstride + kb) * 16)[sub] = w;
     if (sub == 0) sas[static_cast<int64_t>(t) * tstride + kb] = sc * prescale;

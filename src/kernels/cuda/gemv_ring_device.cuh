@@ -41,7 +41,8 @@ struct RingLoad {
   }
 };
 
-// FP8_BLOCK consumer of a lane (hardware e4m3 -> f16; B staged by stage_b_mma<FP8, true>).
+// FP8_BLOCK consumer of a lane (hardware e4m3 -> f16; B staged by stage_b_mma<FP8, true>,
+// QA8 codes or, for products without QA8, scaled f16 activations: the same arithmetic).
 struct Fp8Cons {
   const uint8_t* srow;  // e8m0 tile row of the piece
   const uint32_t* bB;   // this lane's B words at span 0 (B role), or nullptr

@@ -506,11 +506,15 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_mma_kernel(const DownMma
 // U spans ahead across piece boundaries, so a warp's stream never drains between
 // units. Same arithmetic per piece as stream_tile. DSX_MOE_RING=0: the per-tile
 // register-ring kernels above (as for T > 1).
-constexpr int kRingU = 8;
-constexpr size_t kRingBytes = static_cast<size_t>(kWarps) * (kRingU + 1) * 1024;
+// U: spans in flight per warp (ring of U + 1 slots of 1 KB). DSX_MOE_RING=4 trades
+// bytes in flight for resident warps (up: 3 blocks per SM instead of 2).
+template <int U>
+constexpr size_t ring_bytes(int warps) {
+  return static_cast<size_t>(warps) * (U + 1) * 1024;
+}
 
-bool moe_ring_enabled() {
-  static const bool v = env_int("DSX_MOE_RING", 1) != 0;
+int moe_ring_depth() {
+  static const int v = env_int("DSX_MOE_RING", 8);  // 0: per-tile register kernels; 4 or 8
   return v;
 }
 
@@ -580,6 +584,7 @@ __device__ SpanStream<U, PieceAt> make_stream(uint4* ring, int lane, int NB, int
 // once; its 8 warps stream w1 and w3 (quarters of D) of each unit, whose sums are added
 // in a fixed order, then SwiGLU and the routing weight. Shared memory: [rings | FP8 B |
 // scales | MXFP4 B | scales | red].
+template <int U>
 __global__ void __launch_bounds__(kThreads, 2) moe_up_ring_t1_kernel(const UpMmaParams p) {
   extern __shared__ uint4 smem_mma[];
   __shared__ uint4 s_zero[4];
@@ -587,9 +592,9 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_ring_t1_kernel(const UpMma
   __shared__ float twt[kMaxSlots];
   if (threadIdx.x < 4) s_zero[threadIdx.x] = make_uint4(0, 0, 0, 0);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  uint4* ring = smem_mma + warp * (kRingU + 1) * 64;
+  uint4* ring = smem_mma + warp * (U + 1) * 64;
   const int nbp = (p.NB + 3) & ~3;
-  uint32_t* bs8 = reinterpret_cast<uint32_t*>(smem_mma + kWarps * (kRingU + 1) * 64);
+  uint32_t* bs8 = reinterpret_cast<uint32_t*>(smem_mma + kWarps * (U + 1) * 64);
   float* sas8 = reinterpret_cast<float*>(bs8 + static_cast<int64_t>(p.NB) * 16);
   uint32_t* bs4 = reinterpret_cast<uint32_t*>(sas8 + nbp);
   float* sas4 = reinterpret_cast<float*>(bs4 + static_cast<int64_t>(p.NB) * 16);
@@ -631,7 +636,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_ring_t1_kernel(const UpMma
     q.s_hi = nsp * (kq + 1) / 4;
     return q;
   };
-  auto st = make_stream<kRingU>(ring, lane, p.NB, my_units, piece_at);
+  auto st = make_stream<U>(ring, lane, p.NB, my_units, piece_at);
   st.start();
   if (static_cast<int>(blockIdx.x) < p.n_sblocks)
     dev::stage_b_mma<WFormat::FP8_BLOCK, true>(bs8, sas8, p.NB, 1, p.NB, p.x, p.xt, p.ldx, 0,
@@ -688,8 +693,8 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_ring_t1_kernel(const UpMma
 // w + 16, ... of every tile of its block.
 constexpr int kDownRingWarps = 16;
 constexpr int kDownRingThreads = kDownRingWarps * 32;
-constexpr size_t kDownRingBytes = static_cast<size_t>(kDownRingWarps) * (kRingU + 1) * 1024;
 
+template <int U>
 __global__ void __launch_bounds__(kDownRingThreads, 1) moe_down_ring_t1_kernel(const DownMmaParams p) {
   extern __shared__ uint4 smem_mma[];
   __shared__ uint4 s_zero[4];
@@ -698,9 +703,9 @@ __global__ void __launch_bounds__(kDownRingThreads, 1) moe_down_ring_t1_kernel(c
   if (threadIdx.x < 4) s_zero[threadIdx.x] = make_uint4(0, 0, 0, 0);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
-  uint4* ring = smem_mma + warp * (kRingU + 1) * 64;
+  uint4* ring = smem_mma + warp * (U + 1) * 64;
   // QA8(h) in B order (stage_b_mma) of the routed slots (one row per slot) and of the shared expert
-  uint32_t* base = reinterpret_cast<uint32_t*>(smem_mma + kDownRingWarps * (kRingU + 1) * 64);
+  uint32_t* base = reinterpret_cast<uint32_t*>(smem_mma + kDownRingWarps * (U + 1) * 64);
   uint32_t* bs_r = base;
   float* sas_r = reinterpret_cast<float*>(base + static_cast<int64_t>(p.topk) * p.NBI * 16);
   uint32_t* bs_s = base + ((static_cast<int64_t>(p.topk) * p.NBI * 17 + 3) & ~int64_t{3});
@@ -747,7 +752,7 @@ __global__ void __launch_bounds__(kDownRingThreads, 1) moe_down_ring_t1_kernel(c
     q.row0 = static_cast<int64_t>(static_cast<int>(blockIdx.x) + ti * static_cast<int>(gridDim.x)) * 16;
     return q;
   };
-  auto st = make_stream<kRingU>(ring, lane, p.NBI, my_tiles * n_pc, piece_at);
+  auto st = make_stream<U>(ring, lane, p.NBI, my_tiles * n_pc, piece_at);
   st.start();
   dev::pdl_wait();  // h comes from the up kernel
   down_order(p, 0, order);
@@ -852,6 +857,25 @@ void check_layer(const MoeLayer& m, int topk) {
 }
 
 
+// The one-token ring kernels with U spans in flight per warp; false when they do not fit.
+template <int U>
+bool launch_ring_t1(const UpMmaParams& up, const DownMmaParams& dn, int64_t n_up, int NB, int NTD, size_t smem_dn,
+                    cudaStream_t stream) {
+  auto kup = moe_up_ring_t1_kernel<U>;
+  auto kdn = moe_down_ring_t1_kernel<U>;
+  const size_t smem1 = ring_bytes<U>(kWarps) + 2 * (static_cast<size_t>(NB) * 64 + static_cast<size_t>((NB + 3) & ~3) * 4) +
+                       kWarps * 16 * 8 * 4;
+  const size_t smemd = ring_bytes<U>(kDownRingWarps) + smem_dn;
+  if (smem1 > detail::max_dynamic_smem(kup) || smemd > detail::max_dynamic_smem(kdn)) return false;
+  const int occ = detail::occupancy(kup, kThreads, smem1);
+  const int64_t grid = std::min<int64_t>(n_up, static_cast<int64_t>(occ) * sm_count());
+  detail::launch_pdl(kup, dim3(static_cast<unsigned>(grid)), dim3(kThreads), smem1, stream, up);
+  const int occd = detail::occupancy(kdn, kDownRingThreads, smemd);
+  const int64_t gridd = std::min<int64_t>(NTD, static_cast<int64_t>(occd) * sm_count());
+  detail::launch_pdl(kdn, dim3(static_cast<unsigned>(gridd)), dim3(kDownRingThreads), smemd, stream, dn);
+  return true;
+}
+
 // The tensor-core decode path when it applies (false: the CUDA-core kernels).
 bool moe_decode_mma(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int T, int topk, const int32_t* ids,
                     const float* weights, DType yt, void* y, int64_t ldy, char* base, const DecodeLayout& L,
@@ -920,21 +944,10 @@ bool moe_decode_mma(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int
   const size_t smem_dn = static_cast<size_t>(topk + 1) * NBI * (64 + 4) + 16;
   if (smem_dn > detail::max_dynamic_smem(moe_down_mma_kernel)) return false;
 
-  if (T == 1 && moe_ring_enabled()) {
-    const size_t smem1 = kRingBytes + 2 * (static_cast<size_t>(NB) * 64 + static_cast<size_t>((NB + 3) & ~3) * 4) +
-                         kWarps * 16 * 8 * 4;
-    const size_t smemd = kDownRingBytes + smem_dn;
-    if (smem1 <= detail::max_dynamic_smem(moe_up_ring_t1_kernel) &&
-        smemd <= detail::max_dynamic_smem(moe_down_ring_t1_kernel)) {
-      const int occ = detail::occupancy(moe_up_ring_t1_kernel, kThreads, smem1);
-      const int64_t grid = std::min<int64_t>(n_up, static_cast<int64_t>(occ) * sm_count());
-      detail::launch_pdl(moe_up_ring_t1_kernel, dim3(static_cast<unsigned>(grid)), dim3(kThreads), smem1, stream, up);
-      const int occd = detail::occupancy(moe_down_ring_t1_kernel, kDownRingThreads, smemd);
-      const int64_t gridd = std::min<int64_t>(NTD, static_cast<int64_t>(occd) * sm_count());
-      detail::launch_pdl(moe_down_ring_t1_kernel, dim3(static_cast<unsigned>(gridd)), dim3(kDownRingThreads), smemd,
-                         stream, dn);
+  if (T == 1 && moe_ring_depth() > 0) {
+    if (moe_ring_depth() <= 4 ? launch_ring_t1<4>(up, dn, n_up, NB, NTD, smem_dn, stream)
+                              : launch_ring_t1<8>(up, dn, n_up, NB, NTD, smem_dn, stream))
       return true;
-    }
   }
   detail::launch_pdl(kup, dim3(static_cast<unsigned>(n_up)), dim3(kThreads), smem_up, stream, up);
   detail::launch_pdl(moe_down_mma_kernel, dim3(static_cast<unsigned>(T * NTD)), dim3(kThreads), smem_dn, stream, dn);

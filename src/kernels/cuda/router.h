@@ -24,8 +24,17 @@ struct RouterOpts {
 void router_select(const float* z, int64_t ldz, int T, int E, const float* bias, int topk, const RouterOpts& o,
                    int32_t* ids, float* weights, cudaStream_t stream);
 
-// The whole router: gate GEMV (gemv.h, BF16 weight [E, D] -> f32) into logits ([T, E],
-// caller-provided device buffer, left holding z) then router_select. Two launches.
+// The whole router: gate product (BF16 or F32 weight [E, D] -> f32 logits, f32 sums)
+// into logits ([T, E], row stride E, caller-provided device buffer, left holding z) and
+// the selection of router_select (same ids and bit-identical weights for given logits).
+// Decode (T <= 8, E <= 1024, D % 8 == 0): one launch (router.cu: the last block to finish
+// its logits ranks the experts), with programmatic dependent launch; the launch uses a
+// 4-byte device counter per logits buffer, allocated and zeroed on the first call for
+// that buffer and left at 0 by every launch (CUDA-graph replays are fine). A buffer first
+// seen while the stream is being captured cannot get one (no allocation during capture):
+// that call takes the two launches. Otherwise, or with DSX_ROUTER_FUSED=0: the gate GEMV
+// (gemv.h) then router_select, two launches. Calls sharing a logits buffer must be
+// ordered (one stream), as the buffer's contents already require.
 void router(DType xt, const void* x, int64_t ldx, int T, const QMatrix& gate, const float* bias, int topk,
             const RouterOpts& o, float* logits, int32_t* ids, float* weights, cudaStream_t stream);
 
