@@ -255,11 +255,11 @@ __global__ void __launch_bounds__(kThreads, R ? 1 : 2) gemv_mma_kernel(const Mma
     if constexpr (R) {
       static_assert(P == 1, "the shared ring streams one token pass");
       typename dev::RingCons<F>::type cons;
-      cons.set(p.W, row0, row_last, bs, sas, p.tstride, p.T, p.NB, lane);
+      cons.set(p.W, row0, row_last, bs, sas, p.tstride, p.T, p.NB, s_zero, lane);
 #pragma unroll 2
       for (int k = 0; k < nspw; ++k) {
         dev::cp_async_wait<U - 1>();
-        cons.span(ring + slot_out * 64, s_lo + k, acc[0], s_zero, lane);
+        cons.span(ring + slot_out * 64, s_lo + k, acc[0], lane);
         ring_issue();  // refills the slot read one span ago (its data has been consumed)
         slot_out = slot_out == U ? 0 : slot_out + 1;
       }

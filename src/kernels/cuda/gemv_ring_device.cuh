@@ -41,34 +41,59 @@ struct RingLoad {
   }
 };
 
-// FP8_BLOCK consumer of a lane (hardware e4m3 -> f16; B staged by stage_b_mma<FP8, true>,
-// QA8 codes or, for products without QA8, scaled f16 activations: the same arithmetic).
+// Where a lane reads its B fragment words and activation scales, fixed for the piece:
+// the per-span choice is one compare and one pointer step (the generic version tested
+// the pointers for null and recomputed 64-bit offsets, ~50 instructions per span in the
+// SASS). Plain loads through pointers derived from the kernel's shared arrays (the
+// compiler emits LDS and may schedule them ahead of the ring wait).
+struct BAddr {
+  const uint4* b = nullptr;  // B words of block 0 (B-role lanes), else the zero words
+  const uint4* z = nullptr;  // the zero words (blocks past the end of K)
+  int step = 0;              // uint4 per scale block of B (4 for B-role lanes, 0 otherwise)
+  int lim = 0;               // B words valid while kb0 < lim
+  const float* sa = nullptr;  // activation scale of block 0 of this lane's C token
+  bool has_sa = false;
+
+  __device__ __forceinline__ void set(const uint32_t* bB, int lim_, const float* saP, const uint4* bzero) {
+    z = bzero;
+    b = bB ? reinterpret_cast<const uint4*>(bB) : bzero;
+    step = bB ? 4 : 0;
+    lim = bB ? lim_ : 0x7fffffff;  // a lane without a B role reads the zeros everywhere
+    has_sa = saP != nullptr;
+    sa = has_sa ? saP : reinterpret_cast<const float*>(bzero);
+  }
+  __device__ __forceinline__ const uint4* words(int kb0) const { return kb0 < lim ? b + kb0 * step : z; }
+  __device__ __forceinline__ float scale(int kb, bool valid) const { return (has_sa && valid) ? sa[kb] : 0.f; }
+};
+
+// FP8_BLOCK consumer of a lane (hardware e4m3 -> f16; B staged by stage_b_mma<FP8, true>).
 struct Fp8Cons {
   const uint8_t* srow;  // e8m0 tile row of the piece
-  const uint32_t* bB;   // this lane's B words at span 0 (B role), or nullptr
-  const float* saP;     // activation scales of this lane's C token, or nullptr
+  BAddr ba;
   int wshift, NB;
 
   __device__ __forceinline__ void set(const WView& W, int64_t row0, int64_t row_last, const uint32_t* bs,
-                                      const float* sas, int tstride, int nt, int NBk, int lane) {
+                                      const float* sas, int tstride, int nt, int NBk, const uint4* bzero, int lane) {
     const int g = lane >> 2, c = lane & 3;
     const int64_t r0c = row0 < row_last ? row0 : row_last;
     srow = W.s + (r0c >> W.wshift) * W.sc_cols;
     wshift = W.wshift;
     NB = NBk;
     const int tb = g >> 1;  // B role: column g = 2 tb + blk, blk = g & 1 == c >> 1
-    bB = (((g & 1) == (c >> 1)) && tb < nt) ? bs + (static_cast<int64_t>(tb) * tstride + (c >> 1)) * 16 + (c & 1) * 8
-                                           : nullptr;
-    saP = c < nt ? sas + static_cast<int64_t>(c) * tstride : nullptr;  // C role: token c
+    const uint32_t* bB = (((g & 1) == (c >> 1)) && tb < nt)
+                             ? bs + (static_cast<int64_t>(tb) * tstride + (c >> 1)) * 16 + (c & 1) * 8
+                             : nullptr;
+    const float* saP = c < nt ? sas + static_cast<int64_t>(c) * tstride : nullptr;  // C role: token c
+    ba.set(bB, NBk - (c >> 1), saP, bzero);
   }
-  __device__ __forceinline__ void span(const uint4* slot, int s, float (&acc)[2], const uint4* bzero, int lane) const {
+  __device__ __forceinline__ void span(const uint4* slot, int s, float (&acc)[2], int lane) const {
     const uint4 a = lds128(slot + lane), a8 = lds128(slot + 32 + lane);
     const int kb0 = 2 * s;
     const bool v0 = kb0 < NB, v1 = kb0 + 1 < NB;
     const uint32_t sc0 = v0 ? static_cast<uint32_t>(__ldg(srow + ((kb0 * 32) >> wshift))) : 0u;
     const uint32_t sc1 = v1 ? static_cast<uint32_t>(__ldg(srow + (((kb0 + 1) * 32) >> wshift))) : 0u;
-    const uint4* src = (bB && kb0 + ((lane & 3) >> 1) < NB) ? reinterpret_cast<const uint4*>(bB + kb0 * 16) : bzero;
-    const uint4 b01 = src[0], b23 = src[1];
+    const uint4* bw = ba.words(kb0);
+    const uint4 b01 = bw[0], b23 = bw[1];
     uint32_t Pg[4], Qg[4], P8[4], Q8[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -80,8 +105,8 @@ struct Fp8Cons {
     mma_f16_16816(d, Pg[1], P8[1], Qg[1], Q8[1], b01.z, b01.w);
     mma_f16_16816(d, Pg[2], P8[2], Qg[2], Q8[2], b23.x, b23.y);
     mma_f16_16816(d, Pg[3], P8[3], Qg[3], Q8[3], b23.z, b23.w);
-    const float f0 = (saP && v0) ? e8m0_f32_nb(sc0) * saP[kb0] : 0.f;
-    const float f1 = (saP && v1) ? e8m0_f32_nb(sc1) * saP[kb0 + 1] : 0.f;
+    const float f0 = e8m0_f32_nb(sc0) * ba.scale(kb0, v0);
+    const float f1 = e8m0_f32_nb(sc1) * ba.scale(kb0 + 1, v1);
     acc[0] = fmaf(d[0], f0, acc[0]);
     acc[0] = fmaf(d[1], f1, acc[0]);
     acc[1] = fmaf(d[2], f0, acc[1]);
@@ -91,14 +116,13 @@ struct Fp8Cons {
 
 // MXFP4 consumer of a lane (B staged by stage_b_mma<MXFP4, false>, scales x 2^14).
 struct Fp4Cons {
-  const uint8_t* s0;   // e8m0 scales of row g at this lane's first block (2 (c & 1))
-  const uint8_t* s8;   // row g+8
-  const uint32_t* bB;  // this lane's B words at span 0 (B role), or nullptr
-  const float* saP;    // activation scales of this lane's C token at block 2 (c & 1), or nullptr
+  const uint8_t* s0;  // e8m0 scales of row g at this lane's first block (2 (c & 1))
+  const uint8_t* s8;  // row g+8
+  BAddr ba;
   int NB;
 
   __device__ __forceinline__ void set(const WView& W, int64_t row0, int64_t row_last, const uint32_t* bs,
-                                      const float* sas, int tstride, int nt, int NBk, int lane) {
+                                      const float* sas, int tstride, int nt, int NBk, const uint4* bzero, int lane) {
     const int g = lane >> 2, c = lane & 3;
     const int64_t rg = row0 + g < row_last ? row0 + g : row_last;
     const int64_t rg8 = row0 + g + 8 < row_last ? row0 + g + 8 : row_last;
@@ -106,23 +130,26 @@ struct Fp4Cons {
     s8 = W.s + rg8 * W.sc_cols + 2 * (c & 1);
     NB = NBk;
     const int tb = g >> 2;  // B role: column g = 4 tb + blk, blk = g & 3 == c
-    bB = (((g & 3) == c) && tb < nt) ? bs + (static_cast<int64_t>(tb) * tstride + c) * 16 : nullptr;
+    const uint32_t* bB = (((g & 3) == c) && tb < nt) ? bs + (static_cast<int64_t>(tb) * tstride + c) * 16 : nullptr;
     const int t = c >> 1;  // C role
-    saP = t < nt ? sas + static_cast<int64_t>(t) * tstride + 2 * (c & 1) : nullptr;
+    const float* saP = t < nt ? sas + static_cast<int64_t>(t) * tstride + 2 * (c & 1) : nullptr;
+    ba.set(bB, NBk - c, saP, bzero);
   }
-  __device__ __forceinline__ void span(const uint4* slot, int s, float (&acc)[2], const uint4* bzero, int lane) const {
+  __device__ __forceinline__ void span(const uint4* slot, int s, float (&acc)[2], int lane) const {
     const uint4 a = lds128(slot + lane), a8 = lds128(slot + 32 + lane);
     const int kb0 = 4 * s;
     const int b0 = kb0 + 2 * (lane & 1);
     const bool v0 = b0 < NB, v1 = b0 + 1 < NB;
-    const uint32_t g0 = v0 ? static_cast<uint32_t>(__ldg(s0 + kb0)) : 0u;
-    const uint32_t g1 = v1 ? static_cast<uint32_t>(__ldg(s0 + kb0 + 1)) : 0u;
-    const uint32_t h0 = v0 ? static_cast<uint32_t>(__ldg(s8 + kb0)) : 0u;
-    const uint32_t h1 = v1 ? static_cast<uint32_t>(__ldg(s8 + kb0 + 1)) : 0u;
-    const uint4* src = (bB && kb0 + (lane & 3) < NB) ? reinterpret_cast<const uint4*>(bB + kb0 * 16) : bzero;
+    const uint8_t* p0 = s0 + static_cast<uint32_t>(kb0);  // one address per row, offsets 0 / 1
+    const uint8_t* p8 = s8 + static_cast<uint32_t>(kb0);
+    const uint32_t g0 = v0 ? static_cast<uint32_t>(__ldg(p0)) : 0u;
+    const uint32_t g1 = v1 ? static_cast<uint32_t>(__ldg(p0 + 1)) : 0u;
+    const uint32_t h0 = v0 ? static_cast<uint32_t>(__ldg(p8)) : 0u;
+    const uint32_t h1 = v1 ? static_cast<uint32_t>(__ldg(p8 + 1)) : 0u;
+    const uint4* bw = ba.words(kb0);
     uint4 bq[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) bq[j] = src[j];
+    for (int j = 0; j < 4; ++j) bq[j] = bw[j];
     uint32_t R[4][4], R8[4][4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -135,8 +162,8 @@ struct Fp4Cons {
       mma_f16_16816(d, R[j][0], R8[j][0], R[j][2], R8[j][2], bq[j].x, bq[j].y);
       mma_f16_16816(d, R[j][1], R8[j][1], R[j][3], R8[j][3], bq[j].z, bq[j].w);
     }
-    const float sa0 = (saP && v0) ? saP[kb0] : 0.f;
-    const float sa1 = (saP && v1) ? saP[kb0 + 1] : 0.f;
+    const float sa0 = ba.scale(kb0, v0);
+    const float sa1 = ba.scale(kb0 + 1, v1);
     acc[0] = fmaf(d[0], e8m0_f32_nb(g0) * sa0, acc[0]);
     acc[0] = fmaf(d[1], e8m0_f32_nb(g1) * sa1, acc[0]);
     acc[1] = fmaf(d[2], e8m0_f32_nb(h0) * sa0, acc[1]);
