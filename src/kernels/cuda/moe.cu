@@ -605,16 +605,11 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_ring_t1_kernel(const UpMma
   const int n_units = p.n_sblocks + p.topk * p.NTI;
   const int my_units = (n_units - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) /
                        static_cast<int>(gridDim.x);
-  dev::pdl_wait();  // ids / wts / x come from the previous kernels
-  if (threadIdx.x < p.topk) {
-    const int e = p.ids[threadIdx.x];
-    tab[threadIdx.x][0] = p.w1[e];
-    tab[threadIdx.x][1] = p.w1s[e];
-    tab[threadIdx.x][2] = p.w3[e];
-    tab[threadIdx.x][3] = p.w3s[e];
-    twt[threadIdx.x] = p.wts[threadIdx.x];
-  }
-  __syncthreads();
+  // A block whose first unit is a shared-expert tile starts streaming it before the grid
+  // dependency wait (the weights do not depend on the router, which is still running):
+  // start() issues U spans of the first piece only, and it does not reach the second
+  // piece (whose view needs the router's ids, in tab) when a quarter row has > U spans.
+  const bool early = static_cast<int>(blockIdx.x) < p.n_sblocks && my_units > 0 && ((p.D + 63) / 64) / 4 > U;
   auto piece_at = [&](int li) {
     const int unit = static_cast<int>(blockIdx.x) + li * static_cast<int>(gridDim.x);
     Piece q;
@@ -638,7 +633,18 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_ring_t1_kernel(const UpMma
     return q;
   };
   auto st = make_stream<U>(ring, lane, p.NB, my_units, piece_at);
-  st.start();
+  if (early) st.start();
+  dev::pdl_wait();  // ids / wts / x come from the previous kernels
+  if (threadIdx.x < p.topk) {
+    const int e = p.ids[threadIdx.x];
+    tab[threadIdx.x][0] = p.w1[e];
+    tab[threadIdx.x][1] = p.w1s[e];
+    tab[threadIdx.x][2] = p.w3[e];
+    tab[threadIdx.x][3] = p.w3s[e];
+    twt[threadIdx.x] = p.wts[threadIdx.x];
+  }
+  __syncthreads();
+  if (!early) st.start();
   if (static_cast<int>(blockIdx.x) < p.n_sblocks)
     dev::stage_b_mma<WFormat::FP8_BLOCK, true>(bs8, sas8, p.NB, 1, p.NB, p.x, p.xt, p.ldx, 0,
                                                dev::fp8_mma_prescale<true>());
