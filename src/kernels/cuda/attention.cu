@@ -330,12 +330,14 @@ __global__ void __launch_bounds__(128) attn_mma_kernel(AttnParams p) {
   if (p.q_inv_freq) {
     // RoPE of the queries at this row's position, rounded to bf16: what rope() would
     // have written to q before the call (same rope_cs / rope_pair), one launch fewer
-    __syncthreads();
+    // (cos, sin) of each pair computed once (one f64 sincos per thread, in s_s, which
+    // the chunk loop only uses after its first barrier), then applied to the 16 heads
     const int np = p.n_pairs, off = HD - 2 * np;
+    for (int k = tid; k < np; k += 128) rope_cs(static_cast<float>(pos), p.q_inv_freq[k], s_s[k], s_s[np + k]);
+    __syncthreads();
     for (int i = tid; i < 16 * np; i += 128) {
       const int h = i / np, k = i - h * np;
-      float c, s;
-      rope_cs(static_cast<float>(pos), p.q_inv_freq[k], c, s);
+      const float c = s_s[k], s = s_s[np + k];
       uint16_t* qp = reinterpret_cast<uint16_t*>(q_s + h * QS + off + 2 * k);
       float ra, rb;
       rope_pair(bf16_to_f32(qp[0]), bf16_to_f32(qp[1]), c, s, false, ra, rb);

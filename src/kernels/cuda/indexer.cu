@@ -14,9 +14,11 @@ using namespace dev;
 
 namespace {
 
-constexpr int kThreads = 128;
-constexpr int kRowsPerThread = 2;
-constexpr int kRowsPerBlock = kThreads * kRowsPerThread;
+// Scoring blocks: TH threads x RPT rows per thread. Short row lists (decode at a few
+// thousand compressed rows) use 64 x 1 so the work spreads over the SMs (128 x 2 put
+// 8192 rows on 33 SMs: 21 us in the H200 decode graph, 64 x 1: 13 us); long ones
+// 128 x 2, which stages q once per 256 rows. Each (row, head) dot product is the same
+// sequential chain either way.
 
 // 32 FQ4e8 key values of one scale block: 16 packed bytes + one ue8m0 byte.
 __device__ __forceinline__ void decode32(const uint8_t* __restrict__ p, uint32_t sbyte, float* out) {
@@ -29,7 +31,7 @@ __device__ __forceinline__ void decode32(const uint8_t* __restrict__ p, uint32_t
     for (int n = 0; n < 8; ++n) out[i * 8 + n] = e2m1_dev((w[i] >> (4 * n)) & 15u) * s;
 }
 
-template <typename T, int H>
+template <typename T, int H, int kThreads, int kRowsPerThread>
 __global__ void __launch_bounds__(kThreads) indexer_scores_kernel(
     int hd, int r, const float* __restrict__ q, const T* __restrict__ w, const uint8_t* __restrict__ kp,
     const uint8_t* __restrict__ ks, const int32_t* __restrict__ cand_blocks, int64_t cand_ld,
@@ -45,12 +47,12 @@ __global__ void __launch_bounds__(kThreads) indexer_scores_kernel(
   const bool cand = cand_blocks != nullptr;
   const int64_t count = cand ? static_cast<int64_t>(cand_count[t]) * cbs : n_vis;
   if (blockIdx.x == 0 && threadIdx.x == 0) counts[t] = static_cast<int32_t>(count);
-  const int64_t base = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock;
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * (kThreads * kRowsPerThread);
   if (base >= count) return;
 
   float* q_s = reinterpret_cast<float*>(q_s4);
-  const float* qt = q + static_cast<int64_t>(t) * H * hd;
-  for (int i = threadIdx.x; i < H * hd; i += kThreads) q_s[i] = qt[i];
+  const float4* qt = reinterpret_cast<const float4*>(q + static_cast<int64_t>(t) * H * hd);  // H hd % 4 == 0
+  for (int i = threadIdx.x; i < H * hd / 4; i += kThreads) q_s4[i] = qt[i];
   for (int h = threadIdx.x; h < H; h += kThreads) {
     const float wv = ld(w, static_cast<int64_t>(t) * H + h);
     w_s[h] = kBf16 ? round_bf16_dev(wv * weight_factor) : wv * heads_scale;
@@ -135,25 +137,34 @@ __global__ void block_scores_kernel(const float* __restrict__ scores, int64_t ld
   out[static_cast<int64_t>(t) * ld_out + b] = m;
 }
 
+template <typename T, int HH, int TH, int RPT>
+void launch_one(const IndexerScoreArgs& a, dim3 grid, size_t smem, const T* w, float softmax_scale, float heads_scale,
+                float weight_factor, cudaStream_t stream) {
+  auto* kern = indexer_scores_kernel<T, HH, TH, RPT>;
+  if (smem > 48 * 1024)
+    DSX_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  kern<<<grid, TH, smem, stream>>>(a.head_dim, a.ratio, a.q, w, a.keys.packed, a.keys.scales, a.cand_blocks, a.cand_ld,
+                                   a.cand_count, a.cand_block_size, a.scores, a.ld, a.counts, a.d_pos, softmax_scale,
+                                   heads_scale, weight_factor);
+}
+
 template <typename T>
 void launch_scores(const IndexerScoreArgs& a, cudaStream_t stream) {
   const float softmax_scale = static_cast<float>(std::pow(static_cast<double>(a.head_dim), -0.5));
   const float heads_scale = static_cast<float>(std::pow(static_cast<double>(a.n_heads), -0.5));
   const float weight_factor =
       static_cast<float>(std::pow(static_cast<double>(a.head_dim), -0.5) * std::pow(static_cast<double>(a.n_heads), -0.5));
-  const int64_t blocks = (a.max_rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  const bool small = (a.max_rows + 63) / 64 <= static_cast<int64_t>(8) * sm_count();
+  const int rows_per_block = small ? 64 : 256;
+  const int64_t blocks = (a.max_rows + rows_per_block - 1) / rows_per_block;
   DSX_CHECK(blocks < (int64_t{1} << 31), "indexer_scores: too many rows");
   dim3 grid(static_cast<unsigned>(blocks > 0 ? blocks : 1), a.T);
   const size_t smem = static_cast<size_t>(a.n_heads) * a.head_dim * sizeof(float);
   const T* w = static_cast<const T*>(a.w);
 #define DSX_IDX_LAUNCH(HH)                                                                                     \
   do {                                                                                                         \
-    auto* kern = indexer_scores_kernel<T, HH>;                                                                 \
-    if (smem > 48 * 1024) DSX_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, \
-                                                              static_cast<int>(smem)));                       \
-    kern<<<grid, kThreads, smem, stream>>>(a.head_dim, a.ratio, a.q, w, a.keys.packed, a.keys.scales,          \
-                                           a.cand_blocks, a.cand_ld, a.cand_count, a.cand_block_size, a.scores, \
-                                           a.ld, a.counts, a.d_pos, softmax_scale, heads_scale, weight_factor);  \
+    if (small) launch_one<T, HH, 64, 1>(a, grid, smem, w, softmax_scale, heads_scale, weight_factor, stream);  \
+    else launch_one<T, HH, 128, 2>(a, grid, smem, w, softmax_scale, heads_scale, weight_factor, stream);       \
   } while (0)
   switch (a.n_heads) {
     case 4: DSX_IDX_LAUNCH(4); break;
@@ -164,6 +175,7 @@ void launch_scores(const IndexerScoreArgs& a, cudaStream_t stream) {
   }
 #undef DSX_IDX_LAUNCH
 }
+
 
 }  // namespace
 

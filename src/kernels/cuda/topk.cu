@@ -126,6 +126,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ uint32_t wsum[kThreads / 32];
   __shared__ uint32_t cta_cnt[2];
   __shared__ uint32_t s_bucket, s_krem, s_all, s_base_gt, s_base_eq, s_tot_gt, s_tot_eq;
+  __shared__ uint32_t s_low;  // OR of the low 10 key bits of all valid entries (rank 0's copy)
 
   const int64_t n = counts[t] > 0 ? counts[t] : 0;
   const float* s = scores + static_cast<int64_t>(t) * ld;
@@ -133,7 +134,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t lo = min(n, static_cast<int64_t>(rank) * per), hi = min(n, lo + per);
 
   for (int i = threadIdx.x; i < 3 * kBins; i += kThreads) tot[i] = 0u;
-  if (threadIdx.x == 0) s_all = 0u;
+  if (threadIdx.x == 0) s_all = 0u, s_low = 0u;
   CL::sync();
   uint32_t* tot0 = CL::map(tot, 0);
 
@@ -146,11 +147,18 @@ __global__ void __launch_bounds__(kThreads)
     const int bins = 1 << width;
     for (int i = threadIdx.x; i < bins; i += kThreads) loc[i] = 0u;
     __syncthreads();
+    uint32_t low = 0u;
     for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads) {
       const uint32_t key = score_key(s[i]);
       if (key < kMinValid) continue;
       if (p > 0 && (key >> (shift + width)) != prefix) continue;
+      low |= key;
       atomicAdd(&loc[(key >> shift) & static_cast<uint32_t>(bins - 1)], 1u);
+    }
+    if (p == 0) {
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) low |= __shfl_xor_sync(0xffffffffu, low, o);
+      if ((threadIdx.x & 31) == 0 && (low & 0x3ffu)) atomicOr(CL::map(&s_low, 0), low & 0x3ffu);
     }
     __syncthreads();
     for (int i = threadIdx.x; i < bins; i += kThreads)
@@ -176,6 +184,13 @@ __global__ void __launch_bounds__(kThreads)
     prefix = (prefix << width) | s_bucket;
     krem = s_krem;
     __syncthreads();
+    // Scores rounded to bf16 (BF16 mode) leave the low 16 key bits zero: every entry of
+    // the 22-bit bucket then has the key prefix << 10, which is what the third pass would
+    // find (its bucket 0, krem unchanged). Uniform: the same OR in every CTA.
+    if (p == 1 && *CL::map(&s_low, 0) == 0u) {
+      prefix <<= 10;
+      break;
+    }
   }
   const uint32_t tau = all ? kMinValid - 1u : prefix;
   const uint32_t need = all ? 0u : krem;
