@@ -5,6 +5,8 @@
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/elementwise_dev.cuh"
+#include "kernels/cuda/gemv_launch.h"
+#include "kernels/cuda/pdl_device.cuh"
 #include "util/error.h"
 
 namespace dsx::cuda {
@@ -314,6 +316,9 @@ __global__ void __launch_bounds__(128) attn_mma_kernel(AttnParams p) {
 
   const int t = blockIdx.z, hg = blockIdx.y, split = blockIdx.x, S = gridDim.x;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gid = lane >> 2, tig = lane & 3;
+  // programmatic dependent launch: q, the rows and the selection come from earlier kernels
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
   const int64_t p0 = *p.d_pos, pos = p0 + t;
   const int64_t lo_w = pos - p.W + 1 > 0 ? pos - p.W + 1 : 0;
   const int nw = static_cast<int>(pos - lo_w + 1);
@@ -503,6 +508,8 @@ __global__ void __launch_bounds__(HD) attn_combine_kernel(int H, int S, const fl
   __shared__ float cs[2 * (HD / 2)];       // inverse-RoPE cos / sin per pair
   __shared__ float den_s;
   const int h = blockIdx.x, t = blockIdx.y, d = threadIdx.x;
+  dev::pdl_wait();  // the split results come from the attention kernel
+  dev::pdl_launch_dependents();
   const float* w0 = work + (static_cast<int64_t>(t) * S * H + h) * (HD + 2);
   const int64_t sstride = static_cast<int64_t>(H) * (HD + 2);
   // The split maxima and denominators are read once (warp 0), not by every thread, and
@@ -600,13 +607,12 @@ void launch_mma(const AttnArgs& a, const AttnParams& prm, cudaStream_t stream) {
     configured = true;
   }
   dim3 grid(a.n_splits, a.n_heads / 16, a.T);
-  attn_mma_kernel<HD><<<grid, 128, smem, stream>>>(prm);
-  check_launch("sparse_attention (tensor cores)");
-  if (a.n_splits > 1) {
-    attn_combine_kernel<bf16, HD><<<dim3(a.n_heads, a.T), HD, 0, stream>>>(
-        a.n_heads, a.n_splits, a.work, a.sink, a.n_pairs, a.inv_freq, static_cast<bf16*>(a.out), a.d_pos);
-    check_launch("sparse_attention combine");
-  }
+  detail::launch_pdl(attn_mma_kernel<HD>, grid, dim3(128), smem, stream, prm);
+  if (a.n_splits > 1)
+    detail::launch_pdl(attn_combine_kernel<bf16, HD>, dim3(a.n_heads, a.T), dim3(HD), 0, stream, a.n_heads,
+                       a.n_splits, static_cast<const float*>(a.work), static_cast<const float*>(a.sink), a.n_pairs,
+                       static_cast<const float*>(a.inv_freq), static_cast<bf16*>(a.out),
+                       static_cast<const int64_t*>(a.d_pos));
 }
 
 template <typename T, int HD>

@@ -4,6 +4,8 @@
 
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/elementwise_dev.cuh"
+#include "kernels/cuda/gemv_launch.h"
+#include "kernels/cuda/pdl_device.cuh"
 #include "util/error.h"
 
 namespace dsx::cuda {
@@ -25,6 +27,10 @@ __global__ void rmsnorm_kernel(const T* x, T* y, const float* __restrict__ w, in
   __shared__ double red[32];
   const int64_t row = blockIdx.x;
   const T* xr = x + row * n;
+  // launched with programmatic dependent launch (the decode q_norm between wq_a and
+  // wq_b): x comes from the previous kernel
+  pdl_wait();
+  pdl_launch_dependents();
   double ss = 0.0;
 #pragma unroll 4
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
@@ -194,8 +200,9 @@ void rmsnorm(Act act, const void* x, void* y, const float* w, int rows, int n, f
   const size_t smem = static_cast<size_t>(n) * sizeof(float);
   DSX_CHECK(smem <= 48 * 1024, "rmsnorm: row too wide");
   DSX_DISPATCH_ACT(act, T,
-                   rmsnorm_kernel<T><<<rows, std::min(n, 1024), smem, stream>>>(static_cast<const T*>(x), static_cast<T*>(y), w, n,
-                                                                  eps, q_codes, q_scales));
+                   detail::launch_pdl(rmsnorm_kernel<T>, dim3(static_cast<unsigned>(rows)),
+                                      dim3(static_cast<unsigned>(std::min(n, 1024))), smem, stream,
+                                      static_cast<const T*>(x), static_cast<T*>(y), w, n, eps, q_codes, q_scales));
   check_launch("rmsnorm");
 }
 
