@@ -176,7 +176,6 @@ void launch_scores(const IndexerScoreArgs& a, cudaStream_t stream) {
 #undef DSX_IDX_LAUNCH
 }
 
-
 }  // namespace
 
 void indexer_scores(Act act, const IndexerScoreArgs& a, cudaStream_t stream) {

@@ -132,8 +132,7 @@ struct FusedParams {
   int E;
   int cpr;  // 8-element chunks per row (D / 8)
   const void* x;
-  int xt;    // 0: f32, 1: bf16
-  int xvec;  // every x row 16-byte aligned: vector loads
+  int xt;  // 0: f32, 1: bf16
   int64_t ldx;
   int T;
   float* z;  // logits [T, E]
@@ -171,30 +170,6 @@ __device__ __forceinline__ float warp_sum_scatter(float (&v)[N], int lane) {
 #pragma unroll
     for (int o = 16 >> S; o > 0; o >>= 1) r += __shfl_xor_sync(dev::kFull, r, o);
     return r;
-  }
-}
-
-// Eight consecutive values of x[t, 8c .. 8c + 8).
-__device__ __forceinline__ void load_x8(const FusedParams& p, int t, int c, float (&xv)[8]) {
-  const int64_t i = static_cast<int64_t>(t) * p.ldx + static_cast<int64_t>(c) * 8;
-  if (p.xvec) {
-    if (p.xt == 1) {
-      const uint4 u = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.x) + i);
-      const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        xv[2 * q] = __uint_as_float(w[q] << 16);
-        xv[2 * q + 1] = __uint_as_float(w[q] & 0xffff0000u);
-      }
-    } else {
-      const float4* f = reinterpret_cast<const float4*>(static_cast<const float*>(p.x) + i);
-      const float4 a = f[0], b = f[1];
-      xv[0] = a.x, xv[1] = a.y, xv[2] = a.z, xv[3] = a.w;
-      xv[4] = b.x, xv[5] = b.y, xv[6] = b.z, xv[7] = b.w;
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) xv[j] = dev::load_act(p.x, p.xt, i + j);
   }
 }
 
@@ -293,8 +268,8 @@ __global__ void __launch_bounds__(kThreads, 1) router_fused_kernel(const FusedPa
 #pragma unroll
       for (int t = 0; t < TT; ++t) {
         if (t >= p.T) break;
-        float xv[8];
-        load_x8(p, t, c, xv);
+        float xv[8];  // x[t, 8c .. 8c + 8)
+        dev::load_act8(p.x, p.xt, static_cast<int64_t>(t) * p.ldx + static_cast<int64_t>(c) * 8, xv);
 #pragma unroll
         for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -492,7 +467,6 @@ void router(DType xt, const void* x, int64_t ldx, int T, const QMatrix& gate, co
       p.cpr = static_cast<int>(D / 8);
       p.x = x;
       p.xt = xt == DType::BF16 ? 1 : 0;
-      p.xvec = detail::aligned16(x) && (ldx * static_cast<int64_t>(dtype_size(xt))) % 16 == 0;
       p.ldx = ldx;
       p.T = T;
       p.z = logits;
