@@ -253,7 +253,8 @@ TEST(CudaTopk, MatchesCpuTopkFinite) {
   SKIP_WITHOUT_GPU();
   Rng rng(53);
   std::printf("[          ] topk uses %s\n", cuda::topk_uses_clusters() ? "8-CTA clusters" : "one CTA per query");
-  for (int64_t n : {int64_t{1}, int64_t{5}, int64_t{100}, int64_t{3000}, int64_t{40000}, int64_t{300000}})
+  // n <= 16384: the one-CTA register kernel; larger: the general (cluster) kernel
+  for (int64_t n : {int64_t{1}, int64_t{5}, int64_t{100}, int64_t{3000}, int64_t{16384}, int64_t{40000}, int64_t{300000}})
     for (int k : {1, 8, 512, 2048})
       for (int style = 0; style < 3; ++style) {
         const int T = 3;

@@ -968,7 +968,7 @@ void CudaSession::attention(int l, int T) {
       }
       topk_select(T, scores_, score_ld_, counts_, c_.index_topk, uses_cand ? cand_ : nullptr,
                   uses_cand ? c_.candidate_topk_blocks : 0, uses_cand ? c_.candidate_block_size : 1, sel_,
-                  c_.index_topk, sel_count_, stream_);
+                  c_.index_topk, sel_count_, stream_, ia.max_rows);
       prof_.mark("top-k", stream_);
     }
     cmp = cache_.compressed(src);

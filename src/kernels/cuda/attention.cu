@@ -70,47 +70,78 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float a, float b) {
 // Decodes list entries c0 .. c0+nr-1 of query t (window rows, then selected compressed
 // rows) into kv_s (bf16, exact; row stride ks elements). With zero_tail, rows nr .. kC-1
 // are zero-filled (the tensor-core kernel multiplies them by zero probabilities).
+// Two phases: every thread first issues the loads of all its items (the selected row ids,
+// then the codes and scales; branch-free, so the compiler keeps them in flight together),
+// then decodes them. (One item at a time paid a dependent L2 round trip per item: ncu of
+// the decode attention showed long-scoreboard stalls at 0.15 issued warps per scheduler.)
+// In batches of up to 8 items per thread: every thread first issues the loads of all
+// the batch's items (the selected row ids, then the codes and scales; branch-free, so the
+// compiler keeps them in flight together), then decodes them. (One item at a time paid a
+// dependent L2 round trip per item: ncu of the decode attention showed long-scoreboard
+// stalls at 0.15 issued warps per scheduler.)
 template <int HD, int NT>
 __device__ __forceinline__ void decode_rows(const AttnParams& p, int t, int c0, int nr, int nw, int64_t lo_w,
                                             int64_t p0, bf16* kv_s, int ks, bool zero_tail) {
-  const int limit = zero_tail ? kC : nr;
-  for (int g = threadIdx.x; g < limit * (HD / 8); g += NT) {
-    const int r = g / (HD / 8), e8 = g - r * (HD / 8);
-    uint4 u = make_uint4(0u, 0u, 0u, 0u);
-    if (r < nr) {
-      const int li = c0 + r;
-      float v[8];
-      if (li < nw) {
-        const int64_t wp = lo_w + li;
-        const uint8_t *codes, *scales;
-        if (wp >= p0) {
-          codes = p.chunk_codes + (wp - p0) * HD;
-          scales = p.chunk_scales + (wp - p0) * (HD / 32);
-        } else {
-          const int64_t slot = wp % p.ring_cap;
-          codes = p.ring_codes + slot * HD;
-          scales = p.ring_scales + slot * (HD / 32);
-        }
-        const uint2 c = *reinterpret_cast<const uint2*>(codes + e8 * 8);
-        const float s = e8m0_dev(scales[e8 / 4]);
+  constexpr int OCT = HD / 8;  // 8-element items per row
+  constexpr int IT = (kC * OCT + NT - 1) / NT;
+  constexpr int B = IT < 8 ? IT : 8;  // items per batch
+#pragma unroll 1
+  for (int i0 = 0; i0 < IT; i0 += B) {
+    int32_t sel[B];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          v[i] = e4m3_dev((c.x >> (8 * i)) & 255u) * s;
-          v[4 + i] = e4m3_dev((c.y >> (8 * i)) & 255u) * s;
-        }
-      } else {
-        const int64_t j = p.sel[static_cast<int64_t>(t) * p.sel_ld + (li - nw)];
-        const uint32_t pk = *reinterpret_cast<const uint32_t*>(p.cmp_packed + j * (HD / 2) + e8 * 4);
-        const float s = e4m3_dev(p.cmp_scales[j * (HD / 16) + e8 / 2]);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = e2m1_dev((pk >> (4 * i)) & 15u) * s;
-      }
-      u.x = pack_bf16x2(v[0], v[1]);
-      u.y = pack_bf16x2(v[2], v[3]);
-      u.z = pack_bf16x2(v[4], v[5]);
-      u.w = pack_bf16x2(v[6], v[7]);
+    for (int it = 0; it < B; ++it) {  // ids of the selected rows of this batch
+      const int g = threadIdx.x + (i0 + it) * NT, r = g / OCT, li = c0 + r;
+      const bool cmp_row = i0 + it < IT && g < kC * OCT && r < nr && li >= nw;
+      sel[it] = cmp_row ? p.sel[static_cast<int64_t>(t) * p.sel_ld + (li - nw)] : 0;
     }
-    *reinterpret_cast<uint4*>(kv_s + r * ks + e8 * 8) = u;
+    uint2 raw[B];
+    uint32_t sc[B];
+#pragma unroll
+    for (int it = 0; it < B; ++it) {  // codes and scales
+      const int g = threadIdx.x + (i0 + it) * NT, r = g / OCT, e8 = g - r * OCT, li = c0 + r;
+      const bool live = i0 + it < IT && g < kC * OCT && r < nr;
+      raw[it] = make_uint2(0u, 0u);
+      sc[it] = 0u;
+      if (live && li < nw) {
+        const int64_t wp = lo_w + li;
+        const bool in_chunk = wp >= p0;
+        const int64_t slot = in_chunk ? wp - p0 : wp % p.ring_cap;
+        const uint8_t* codes = (in_chunk ? p.chunk_codes : p.ring_codes) + slot * HD;
+        const uint8_t* scales = (in_chunk ? p.chunk_scales : p.ring_scales) + slot * (HD / 32);
+        raw[it] = *reinterpret_cast<const uint2*>(codes + e8 * 8);
+        sc[it] = scales[e8 / 4];
+      } else if (live) {
+        const int64_t j = sel[it];
+        raw[it].x = *reinterpret_cast<const uint32_t*>(p.cmp_packed + j * (HD / 2) + e8 * 4);
+        sc[it] = p.cmp_scales[j * (HD / 16) + e8 / 2];
+      }
+    }
+#pragma unroll
+    for (int it = 0; it < B; ++it) {
+      const int g = threadIdx.x + (i0 + it) * NT, r = g / OCT, e8 = g - r * OCT;
+      if (i0 + it >= IT || g >= kC * OCT || (r >= nr && !zero_tail)) continue;
+      uint4 u = make_uint4(0u, 0u, 0u, 0u);
+      if (r < nr) {
+        float v[8];
+        if (c0 + r < nw) {
+          const float s = e8m0_dev(sc[it]);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            v[i] = e4m3_dev((raw[it].x >> (8 * i)) & 255u) * s;
+            v[4 + i] = e4m3_dev((raw[it].y >> (8 * i)) & 255u) * s;
+          }
+        } else {
+          const float s = e4m3_dev(sc[it]);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) v[i] = e2m1_dev((raw[it].x >> (4 * i)) & 15u) * s;
+        }
+        u.x = pack_bf16x2(v[0], v[1]);
+        u.y = pack_bf16x2(v[2], v[3]);
+        u.z = pack_bf16x2(v[4], v[5]);
+        u.w = pack_bf16x2(v[6], v[7]);
+      }
+      *reinterpret_cast<uint4*>(kv_s + r * ks + e8 * 8) = u;
+    }
   }
 }
 
@@ -328,9 +359,19 @@ __global__ void __launch_bounds__(128) attn_mma_kernel(AttnParams p) {
   const int rb = split * R, re = min(N, rb + R);
 
   const bf16* qg = static_cast<const bf16*>(p.q) + (static_cast<int64_t>(t) * p.H + hg * 16) * HD;
-  for (int i = tid; i < 16 * (HD / 8); i += 128) {
-    const int h = i / (HD / 8), c = i - h * (HD / 8);
-    *reinterpret_cast<uint4*>(q_s + h * QS + c * 8) = *reinterpret_cast<const uint4*>(qg + h * HD + c * 8);
+  {  // all of a thread's loads in flight at once (HD / 64 per thread), then the stores
+    constexpr int QI = 16 * (HD / 8) / 128;
+    uint4 v[QI];
+#pragma unroll
+    for (int u = 0; u < QI; ++u) {
+      const int i = tid + u * 128, h = i / (HD / 8), c = i - h * (HD / 8);
+      v[u] = *reinterpret_cast<const uint4*>(qg + h * HD + c * 8);
+    }
+#pragma unroll
+    for (int u = 0; u < QI; ++u) {
+      const int i = tid + u * 128, h = i / (HD / 8), c = i - h * (HD / 8);
+      *reinterpret_cast<uint4*>(q_s + h * QS + c * 8) = v[u];
+    }
   }
   if (p.q_inv_freq) {
     // RoPE of the queries at this row's position, rounded to bf16: what rope() would
@@ -484,10 +525,9 @@ __global__ void __launch_bounds__(128) attn_mma_kernel(AttnParams p) {
         w[1] = l;
       }
 #pragma unroll
-      for (int j = 0; j < NTW; ++j) {
+      for (int j = 0; j < NTW; ++j) {  // (w + 2 + d: 8-byte aligned, HD + 2 and d even)
         const int d = warp * (HD / 4) + j * 8 + 2 * tig;
-        w[2 + d] = acc[j][2 * which];
-        w[2 + d + 1] = acc[j][2 * which + 1];
+        *reinterpret_cast<float2*>(w + 2 + d) = make_float2(acc[j][2 * which], acc[j][2 * which + 1]);
       }
     }
   }

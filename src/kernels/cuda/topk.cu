@@ -2,6 +2,8 @@
 
 #include <cooperative_groups.h>
 
+#include <algorithm>
+
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/elementwise.h"
 #include "util/error.h"
@@ -264,10 +266,141 @@ __global__ void __launch_bounds__(kThreads)
   CL::sync();  // no CTA leaves while others may still read its shared memory
 }
 
+// ---- Short rows (n <= kSmallN, e.g. decode at a few thousand compressed rows or inside
+// the candidate blocks): one CTA of 1024 threads per query holds the row's keys in
+// registers (16 consecutive entries per thread, loaded once with all loads in flight),
+// so the three histogram passes, the count and the write pass touch no global memory.
+// The general kernel re-reads the scores in load-then-atomic loops that wait one L2
+// round trip per iteration (ncu: 23 us per decode top-k at 4-8k rows). Same semantics.
+constexpr int kSmallThreads = 1024;
+constexpr int kSmallPer = 16;
+constexpr int64_t kSmallN = int64_t{kSmallThreads} * kSmallPer;
+
+// Inclusive block scan of v over the 1024 threads in thread order; wsum: 32 words.
+__device__ __forceinline__ uint32_t block_incl_scan_1024(uint32_t v, uint32_t* wsum) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  uint32_t inc = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint32_t u = __shfl_up_sync(0xffffffffu, inc, o);
+    if (lane >= o) inc += u;
+  }
+  if (lane == 31) wsum[warp] = inc;
+  __syncthreads();
+  if (warp == 0) {
+    uint32_t w = wsum[lane], wi = w;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const uint32_t u = __shfl_up_sync(0xffffffffu, wi, o);
+      if (lane >= o) wi += u;
+    }
+    wsum[lane] = wi - w;  // exclusive prefix of the warp sums
+  }
+  __syncthreads();
+  const uint32_t r = inc + wsum[warp];
+  __syncthreads();  // wsum is reused by the next scan
+  return r;
+}
+
+__global__ void __launch_bounds__(kSmallThreads)
+    topk_small_kernel(const float* __restrict__ scores, int64_t ld, const int32_t* __restrict__ counts, int k,
+                      const int32_t* __restrict__ id_blocks, int64_t id_ld, int id_bs, int32_t* __restrict__ out,
+                      int64_t out_ld, int32_t* __restrict__ out_count) {
+  __shared__ uint32_t hist[kBins];
+  __shared__ uint32_t wsum[32];
+  __shared__ uint32_t s_bucket, s_krem, s_total;
+  const int t = blockIdx.x;
+  const int n = static_cast<int>(min(static_cast<int64_t>(counts[t] > 0 ? counts[t] : 0), kSmallN));  // (host bound)
+  const float* s = scores + static_cast<int64_t>(t) * ld;
+  const int i0 = static_cast<int>(threadIdx.x) * kSmallPer;  // this thread's entries [i0, i0 + 16)
+  uint32_t key[kSmallPer];
+#pragma unroll
+  for (int j = 0; j < kSmallPer; ++j) key[j] = i0 + j < n ? score_key(__ldg(s + i0 + j)) : 0u;
+
+  // ---- radix select of the k-th largest key (11 + 11 + 10 bits)
+  uint32_t prefix = 0u, krem = static_cast<uint32_t>(k);
+  bool all = false;
+#pragma unroll 1
+  for (int p = 0; p < 3; ++p) {
+    const int shift = p == 0 ? 21 : (p == 1 ? 10 : 0);
+    const int width = p == 2 ? 10 : 11;
+    const uint32_t bins = 1u << width;
+    for (uint32_t b = threadIdx.x; b < kBins; b += kSmallThreads) hist[b] = 0u;
+    __syncthreads();
+    uint32_t valid = 0u;
+#pragma unroll
+    for (int j = 0; j < kSmallPer; ++j) {
+      const uint32_t kk = key[j];
+      const bool in = kk >= kMinValid && (p == 0 || (kk >> (shift + width)) == prefix);
+      valid += in ? 1u : 0u;
+      if (in) atomicAdd(&hist[(kk >> shift) & (bins - 1u)], 1u);
+    }
+    __syncthreads();
+    // thread j covers bins (from the top) 2j, 2j + 1 (pass 2: 1024 bins, one each)
+    const int per = static_cast<int>(bins) / kSmallThreads;  // 2 or 1
+    const int top = static_cast<int>(bins) - static_cast<int>(threadIdx.x) * per;
+    uint32_t local = 0u;
+    for (int b = top - 1; b >= top - per; --b) local += hist[b];
+    const uint32_t inc = block_incl_scan_1024(local, wsum);
+    if (threadIdx.x == kSmallThreads - 1) s_total = inc;
+    const uint32_t excl = inc - local;
+    if (excl < krem && krem <= inc) {  // the thread whose bins hold the krem-th largest
+      uint32_t cum = excl;
+      for (int b = top - 1; b >= top - per; --b) {
+        if (cum + hist[b] >= krem) {
+          s_bucket = static_cast<uint32_t>(b);
+          s_krem = krem - cum;
+          break;
+        }
+        cum += hist[b];
+      }
+    }
+    __syncthreads();
+    if (p == 0 && s_total <= static_cast<uint32_t>(k)) {  // every valid entry is selected
+      all = true;
+      break;
+    }
+    prefix = (prefix << width) | s_bucket;
+    krem = s_krem;
+    __syncthreads();  // s_bucket / hist reused
+  }
+  const uint32_t tau = all ? kMinValid - 1u : prefix;
+  const uint32_t need = all ? 0u : krem;
+
+  // ---- write pass: entries above tau, and the first `need` equal to it, in position order
+  uint32_t g = 0u, e = 0u;
+#pragma unroll
+  for (int j = 0; j < kSmallPer; ++j) {
+    g += key[j] > tau ? 1u : 0u;
+    e += key[j] == tau ? 1u : 0u;
+  }
+  const uint32_t inc = block_incl_scan_1024(g | (e << 16), wsum);
+  uint32_t gb = (inc & 0xffffu) - g, eb = (inc >> 16) - e;
+  if (threadIdx.x == kSmallThreads - 1) {
+    const uint32_t tg = inc & 0xffffu, te = inc >> 16;
+    out_count[t] = static_cast<int32_t>(tg + (te < need ? te : need));
+  }
+  int32_t* o = out + static_cast<int64_t>(t) * out_ld;
+#pragma unroll
+  for (int j = 0; j < kSmallPer; ++j) {
+    const bool gt = key[j] > tau, eq = key[j] == tau;
+    if (gt || (eq && eb < need)) {
+      const uint32_t pos = gb + (eb < need ? eb : need);
+      const int64_t i = i0 + j;
+      const int64_t id = id_blocks ? static_cast<int64_t>(id_blocks[static_cast<int64_t>(t) * id_ld + i / id_bs]) * id_bs + i % id_bs
+                                   : i;
+      o[pos] = static_cast<int32_t>(id);
+    }
+    gb += gt ? 1u : 0u;
+    eb += eq ? 1u : 0u;
+  }
+}
+
 // The cluster kernel needs sm_90 device code (a build for an older virtual
 // architecture JIT-compiled on the H200 gets the single-CTA kernel).
 bool use_clusters() {
   static int cached = -1;
+  if (cached < 0 && env_int("DSX_TOPK_CLUSTER", 1) == 0) cached = 0;  // (measurement switch)
   if (cached < 0) {
     int dev = 0, major = 0;
     cudaFuncAttributes fa{};
@@ -288,11 +421,15 @@ bool topk_uses_clusters() { return use_clusters(); }
 
 void topk_select(int T, const float* scores, int64_t ld, const int32_t* counts, int k, const int32_t* id_blocks,
                  int64_t id_ld, int id_block_size, int32_t* out, int64_t out_ld, int32_t* out_count,
-                 cudaStream_t stream) {
+                 cudaStream_t stream, int64_t max_n) {
   if (T <= 0) return;
   DSX_CHECK(k >= 1 && k <= out_ld, "topk_select: need 1 <= k <= out_ld");
   DSX_CHECK(id_blocks == nullptr || id_block_size >= 1, "topk_select: id block size");
-  if (use_clusters()) {
+  const int64_t bound = max_n >= 0 ? std::min(max_n, ld) : ld;
+  if (bound <= kSmallN && env_int("DSX_TOPK_SMALL", 1) != 0) {
+    topk_small_kernel<<<T, kSmallThreads, 0, stream>>>(scores, ld, counts, k, id_blocks, id_ld, id_block_size, out,
+                                                      out_ld, out_count);
+  } else if (use_clusters()) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(kCluster, T);
     cfg.blockDim = dim3(kThreads);

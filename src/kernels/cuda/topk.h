@@ -22,9 +22,12 @@ namespace dsx::cuda {
 // ascending position order; id of position i = i, or with id_blocks:
 // id_blocks[t][i / id_block_size] * id_block_size + i % id_block_size (candidate rows of
 // re-index layers). Unused out slots are left untouched. 1 <= k <= out_ld.
+// max_n: an upper bound of every counts[t] known to the caller (< 0: ld). Rows of at most
+// 16384 entries take a one-CTA kernel holding the keys in registers (DSX_TOPK_SMALL=0:
+// always the general kernel); the result is the same.
 void topk_select(int T, const float* scores, int64_t ld, const int32_t* counts, int k, const int32_t* id_blocks,
                  int64_t id_ld, int id_block_size, int32_t* out, int64_t out_ld, int32_t* out_count,
-                 cudaStream_t stream);
+                 cudaStream_t stream, int64_t max_n = -1);
 
 // Whether topk_select runs the 8-CTA cluster kernel (needs sm_90 device code in the
 // build); otherwise one CTA per query does the same passes (slower on long rows).
