@@ -96,6 +96,7 @@ __global__ void rope_fq4e8_kernel(const T* __restrict__ in, float* __restrict__ 
                                   const float* __restrict__ inv_freq, const int64_t* __restrict__ d_pos) {
   const int64_t vec = blockIdx.x;  // row * heads + head
   const int d = threadIdx.x;
+  pdl_wait();  // in, d_pos come from the previous kernels (programmatic dependent launch)
   const float pos = static_cast<float>(*d_pos + vec / heads);
   float v = ld(in, vec * hd + d);
   v = rnd<T>(rope_lane(v, d, hd, np, pos, inv_freq, false));
@@ -229,8 +230,9 @@ void rope_fq4e8(Act act, const void* in, float* out, int rows, int heads, int he
   if (rows <= 0) return;
   DSX_CHECK(head_dim % 32 == 0 && head_dim <= 1024 && 2 * n_pairs <= head_dim, "rope_fq4e8: bad geometry");
   DSX_DISPATCH_ACT(act, T,
-                   rope_fq4e8_kernel<T><<<rows * heads, head_dim, 0, stream>>>(static_cast<const T*>(in), out, heads,
-                                                                               head_dim, n_pairs, inv_freq, d_pos));
+                   detail::launch_pdl(rope_fq4e8_kernel<T>, dim3(static_cast<unsigned>(rows * heads)),
+                                      dim3(static_cast<unsigned>(head_dim)), 0, stream, static_cast<const T*>(in), out,
+                                      heads, head_dim, n_pairs, inv_freq, d_pos));
   check_launch("rope_fq4e8");
 }
 

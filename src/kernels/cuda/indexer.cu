@@ -6,6 +6,8 @@
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/elementwise_dev.cuh"
+#include "kernels/cuda/gemv_launch.h"
+#include "kernels/cuda/pdl_device.cuh"
 #include "util/error.h"
 
 namespace dsx::cuda {
@@ -42,6 +44,7 @@ __global__ void __launch_bounds__(kThreads) indexer_scores_kernel(
   __shared__ float w_s[H];
   constexpr bool kBf16 = !std::is_same<T, float>::value;
   const int t = blockIdx.y;
+  pdl_wait();  // q, w, the keys and d_pos come from earlier kernels (programmatic dependent launch)
   const int64_t p0 = *d_pos;
   const int64_t n_vis = (p0 + t + 1) / r;
   const bool cand = cand_blocks != nullptr;
@@ -143,9 +146,9 @@ void launch_one(const IndexerScoreArgs& a, dim3 grid, size_t smem, const T* w, f
   auto* kern = indexer_scores_kernel<T, HH, TH, RPT>;
   if (smem > 48 * 1024)
     DSX_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  kern<<<grid, TH, smem, stream>>>(a.head_dim, a.ratio, a.q, w, a.keys.packed, a.keys.scales, a.cand_blocks, a.cand_ld,
-                                   a.cand_count, a.cand_block_size, a.scores, a.ld, a.counts, a.d_pos, softmax_scale,
-                                   heads_scale, weight_factor);
+  detail::launch_pdl(kern, grid, dim3(TH), smem, stream, a.head_dim, a.ratio, a.q, w, a.keys.packed, a.keys.scales,
+                     a.cand_blocks, a.cand_ld, a.cand_count, a.cand_block_size, a.scores, a.ld, a.counts, a.d_pos,
+                     softmax_scale, heads_scale, weight_factor);
 }
 
 template <typename T>

@@ -6,6 +6,8 @@
 
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/gemv_launch.h"
+#include "kernels/cuda/pdl_device.cuh"
 #include "util/error.h"
 
 namespace dsx::cuda {
@@ -310,6 +312,7 @@ __global__ void __launch_bounds__(kSmallThreads)
   __shared__ uint32_t wsum[32];
   __shared__ uint32_t s_bucket, s_krem, s_total;
   const int t = blockIdx.x;
+  dev::pdl_wait();  // scores and counts come from the previous kernel (programmatic dependent launch)
   const int n = static_cast<int>(min(static_cast<int64_t>(counts[t] > 0 ? counts[t] : 0), kSmallN));  // (host bound)
   const float* s = scores + static_cast<int64_t>(t) * ld;
   const int i0 = static_cast<int>(threadIdx.x) * kSmallPer;  // this thread's entries [i0, i0 + 16)
@@ -427,8 +430,8 @@ void topk_select(int T, const float* scores, int64_t ld, const int32_t* counts, 
   DSX_CHECK(id_blocks == nullptr || id_block_size >= 1, "topk_select: id block size");
   const int64_t bound = max_n >= 0 ? std::min(max_n, ld) : ld;
   if (bound <= kSmallN && env_int("DSX_TOPK_SMALL", 1) != 0) {
-    topk_small_kernel<<<T, kSmallThreads, 0, stream>>>(scores, ld, counts, k, id_blocks, id_ld, id_block_size, out,
-                                                      out_ld, out_count);
+    detail::launch_pdl(topk_small_kernel, dim3(static_cast<unsigned>(T)), dim3(kSmallThreads), 0, stream, scores, ld,
+                       counts, k, id_blocks, id_ld, id_block_size, out, out_ld, out_count);
   } else if (use_clusters()) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(kCluster, T);
