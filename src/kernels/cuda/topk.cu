@@ -35,6 +35,17 @@ __device__ __forceinline__ uint32_t warp_sum_u32(uint32_t v) {
   return v;
 }
 
+// Inclusive scan of v over the lanes of a warp (all lanes call it).
+__device__ __forceinline__ uint32_t warp_incl_scan(uint32_t v) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint32_t u = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += u;
+  }
+  return v;
+}
+
 // Warp 0: the bucket (counted from the top) holding the krem-th largest entry.
 __device__ void find_bucket(const uint32_t* hist, int bins, uint32_t krem, uint32_t* out_bucket, uint32_t* out_krem) {
   const int lane = threadIdx.x & 31;
@@ -42,12 +53,7 @@ __device__ void find_bucket(const uint32_t* hist, int bins, uint32_t krem, uint3
   const int top = bins - lane * per;  // lane covers bins [top - per, top)
   uint32_t sum = 0;
   for (int b = top - per; b < top; ++b) sum += hist[b];
-  uint32_t inc = sum;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const uint32_t v = __shfl_up_sync(0xffffffffu, inc, o);
-    if (lane >= o) inc += v;
-  }
+  const uint32_t inc = warp_incl_scan(sum);
   const uint32_t excl = inc - sum;
   if (excl < krem && krem <= inc) {
     uint32_t cum = excl;
@@ -65,12 +71,7 @@ __device__ void find_bucket(const uint32_t* hist, int bins, uint32_t krem, uint3
 // Block-wide exclusive scan (every thread calls it); total = sum over the block.
 __device__ __forceinline__ uint32_t block_excl_scan(uint32_t v, uint32_t* wsum, uint32_t& total) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  uint32_t inc = v;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const uint32_t u = __shfl_up_sync(0xffffffffu, inc, o);
-    if (lane >= o) inc += u;
-  }
+  const uint32_t inc = warp_incl_scan(v);
   if (lane == 31) wsum[warp] = inc;
   __syncthreads();
   uint32_t base = 0, tot = 0;
@@ -281,22 +282,12 @@ constexpr int64_t kSmallN = int64_t{kSmallThreads} * kSmallPer;
 // Inclusive block scan of v over the 1024 threads in thread order; wsum: 32 words.
 __device__ __forceinline__ uint32_t block_incl_scan_1024(uint32_t v, uint32_t* wsum) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  uint32_t inc = v;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const uint32_t u = __shfl_up_sync(0xffffffffu, inc, o);
-    if (lane >= o) inc += u;
-  }
+  const uint32_t inc = warp_incl_scan(v);
   if (lane == 31) wsum[warp] = inc;
   __syncthreads();
   if (warp == 0) {
-    uint32_t w = wsum[lane], wi = w;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const uint32_t u = __shfl_up_sync(0xffffffffu, wi, o);
-      if (lane >= o) wi += u;
-    }
-    wsum[lane] = wi - w;  // exclusive prefix of the warp sums
+    const uint32_t w = wsum[lane];
+    wsum[lane] = warp_incl_scan(w) - w;  // exclusive prefix of the warp sums
   }
   __syncthreads();
   const uint32_t r = inc + wsum[warp];
