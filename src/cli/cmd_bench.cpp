@@ -104,7 +104,7 @@ int cmd_bench(int argc, char** argv) {
   auto s = eng->new_session();
   std::printf("# session state: %.3f GB allocated for up to %lld tokens\n", s->state_bytes() / 1e9,
               (long long)o.max_context);
-  std::vector<float> logits(static_cast<size_t>(V * chunk));
+  std::vector<float> logits(static_cast<size_t>(V));  // the last row of each fed chunk
   for (int64_t f : frontiers) {
     BenchRow r;
     r.context = f;

@@ -70,10 +70,6 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float a, float b) {
 // Decodes list entries c0 .. c0+nr-1 of query t (window rows, then selected compressed
 // rows) into kv_s (bf16, exact; row stride ks elements). With zero_tail, rows nr .. kC-1
 // are zero-filled (the tensor-core kernel multiplies them by zero probabilities).
-// Two phases: every thread first issues the loads of all its items (the selected row ids,
-// then the codes and scales; branch-free, so the compiler keeps them in flight together),
-// then decodes them. (One item at a time paid a dependent L2 round trip per item: ncu of
-// the decode attention showed long-scoreboard stalls at 0.15 issued warps per scheduler.)
 // In batches of up to 8 items per thread: every thread first issues the loads of all
 // the batch's items (the selected row ids, then the codes and scales; branch-free, so the
 // compiler keeps them in flight together), then decodes them. (One item at a time paid a

@@ -46,6 +46,22 @@ __device__ __forceinline__ uint32_t warp_incl_scan(uint32_t v) {
   return v;
 }
 
+// The caller's bins [top - per, top) hold the entries ranked excl + 1 .. inc from the
+// top; when krem is among them, the bin holding rank krem and the rank left inside it.
+__device__ __forceinline__ void bucket_of_rank(const uint32_t* hist, int top, int per, uint32_t excl, uint32_t inc,
+                                               uint32_t krem, uint32_t* out_bucket, uint32_t* out_krem) {
+  if (!(excl < krem && krem <= inc)) return;
+  uint32_t cum = excl;
+  for (int b = top - 1; b >= top - per; --b) {
+    if (cum + hist[b] >= krem) {
+      *out_bucket = static_cast<uint32_t>(b);
+      *out_krem = krem - cum;
+      return;
+    }
+    cum += hist[b];
+  }
+}
+
 // Warp 0: the bucket (counted from the top) holding the krem-th largest entry.
 __device__ void find_bucket(const uint32_t* hist, int bins, uint32_t krem, uint32_t* out_bucket, uint32_t* out_krem) {
   const int lane = threadIdx.x & 31;
@@ -54,18 +70,14 @@ __device__ void find_bucket(const uint32_t* hist, int bins, uint32_t krem, uint3
   uint32_t sum = 0;
   for (int b = top - per; b < top; ++b) sum += hist[b];
   const uint32_t inc = warp_incl_scan(sum);
-  const uint32_t excl = inc - sum;
-  if (excl < krem && krem <= inc) {
-    uint32_t cum = excl;
-    for (int b = top - 1; b >= top - per; --b) {
-      if (cum + hist[b] >= krem) {
-        *out_bucket = static_cast<uint32_t>(b);
-        *out_krem = krem - cum;
-        break;
-      }
-      cum += hist[b];
-    }
-  }
+  bucket_of_rank(hist, top, per, inc - sum, inc, krem, out_bucket, out_krem);
+}
+
+// Output id of entry i of query t: i, or its row through the candidate blocks.
+__device__ __forceinline__ int32_t entry_id(const int32_t* id_blocks, int64_t id_ld, int id_bs, int t, int64_t i) {
+  if (!id_blocks) return static_cast<int32_t>(i);
+  return static_cast<int32_t>(static_cast<int64_t>(id_blocks[static_cast<int64_t>(t) * id_ld + i / id_bs]) * id_bs +
+                              i % id_bs);
 }
 
 // Block-wide exclusive scan (every thread calls it); total = sum over the block.
@@ -257,9 +269,7 @@ __global__ void __launch_bounds__(kThreads)
     const uint32_t gb = run_gt + (ex & 0xffffu), eb = run_eq + (ex >> 16);
     if (g || (e && eb < need)) {
       const uint32_t pos = gb + (eb < need ? eb : need);
-      int64_t id = i;
-      if (id_blocks) id = static_cast<int64_t>(id_blocks[static_cast<int64_t>(t) * id_ld + i / id_bs]) * id_bs + i % id_bs;
-      o[pos] = static_cast<int32_t>(id);
+      o[pos] = entry_id(id_blocks, id_ld, id_bs, t, i);
     }
     run_gt += total & 0xffffu;
     run_eq += total >> 16;
@@ -321,12 +331,10 @@ __global__ void __launch_bounds__(kSmallThreads)
     const uint32_t bins = 1u << width;
     for (uint32_t b = threadIdx.x; b < kBins; b += kSmallThreads) hist[b] = 0u;
     __syncthreads();
-    uint32_t valid = 0u;
 #pragma unroll
     for (int j = 0; j < kSmallPer; ++j) {
       const uint32_t kk = key[j];
       const bool in = kk >= kMinValid && (p == 0 || (kk >> (shift + width)) == prefix);
-      valid += in ? 1u : 0u;
       if (in) atomicAdd(&hist[(kk >> shift) & (bins - 1u)], 1u);
     }
     __syncthreads();
@@ -337,18 +345,7 @@ __global__ void __launch_bounds__(kSmallThreads)
     for (int b = top - 1; b >= top - per; --b) local += hist[b];
     const uint32_t inc = block_incl_scan_1024(local, wsum);
     if (threadIdx.x == kSmallThreads - 1) s_total = inc;
-    const uint32_t excl = inc - local;
-    if (excl < krem && krem <= inc) {  // the thread whose bins hold the krem-th largest
-      uint32_t cum = excl;
-      for (int b = top - 1; b >= top - per; --b) {
-        if (cum + hist[b] >= krem) {
-          s_bucket = static_cast<uint32_t>(b);
-          s_krem = krem - cum;
-          break;
-        }
-        cum += hist[b];
-      }
-    }
+    bucket_of_rank(hist, top, per, inc - local, inc, krem, &s_bucket, &s_krem);
     __syncthreads();
     if (p == 0 && s_total <= static_cast<uint32_t>(k)) {  // every valid entry is selected
       all = true;
@@ -380,10 +377,7 @@ __global__ void __launch_bounds__(kSmallThreads)
     const bool gt = key[j] > tau, eq = key[j] == tau;
     if (gt || (eq && eb < need)) {
       const uint32_t pos = gb + (eb < need ? eb : need);
-      const int64_t i = i0 + j;
-      const int64_t id = id_blocks ? static_cast<int64_t>(id_blocks[static_cast<int64_t>(t) * id_ld + i / id_bs]) * id_bs + i % id_bs
-                                   : i;
-      o[pos] = static_cast<int32_t>(id);
+      o[pos] = entry_id(id_blocks, id_ld, id_bs, t, i0 + j);
     }
     gb += gt ? 1u : 0u;
     eb += eq ? 1u : 0u;
@@ -392,6 +386,12 @@ __global__ void __launch_bounds__(kSmallThreads)
 
 // The cluster kernel needs sm_90 device code (a build for an older virtual
 // architecture JIT-compiled on the H200 gets the single-CTA kernel).
+// DSX_TOPK_SMALL=0: rows of at most kSmallN entries also take the general kernel.
+bool small_enabled() {
+  static const bool v = env_int("DSX_TOPK_SMALL", 1) != 0;
+  return v;
+}
+
 bool use_clusters() {
   static int cached = -1;
   if (cached < 0 && env_int("DSX_TOPK_CLUSTER", 1) == 0) cached = 0;  // (measurement switch)
@@ -420,7 +420,7 @@ void topk_select(int T, const float* scores, int64_t ld, const int32_t* counts, 
   DSX_CHECK(k >= 1 && k <= out_ld, "topk_select: need 1 <= k <= out_ld");
   DSX_CHECK(id_blocks == nullptr || id_block_size >= 1, "topk_select: id block size");
   const int64_t bound = max_n >= 0 ? std::min(max_n, ld) : ld;
-  if (bound <= kSmallN && env_int("DSX_TOPK_SMALL", 1) != 0) {
+  if (bound <= kSmallN && small_enabled()) {
     detail::launch_pdl(topk_small_kernel, dim3(static_cast<unsigned>(T)), dim3(kSmallThreads), 0, stream, scores, ld,
                        counts, k, id_blocks, id_ld, id_block_size, out, out_ld, out_count);
   } else if (use_clusters()) {
