@@ -26,6 +26,7 @@
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/quant.h"
 #include "cuda_test_util.h"
+#include "kernels/cpu/twin_attn.h"
 #include "kernels/cpu/twin_linear.h"
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/gemm.h"
@@ -386,6 +387,47 @@ TEST(CudaGemv, EngramShapeOnTheRing) {
   Weight W = make_weight(WFormat::FP8_BLOCK, 25600, 6144, rng, 32);
   const std::string path = check_gemv(W, 1, DType::BF16, DType::BF16, rng);
   if (default_gemv_switches()) EXPECT_EQ(path, "mma-ring");
+}
+
+// The input RMS norm of GemvOpts (q_norm before wq_b): fused into the one-token tensor-core
+// kernel's staging (BF16 mode, T = 1), rmsnorm first otherwise. The normalized rows written
+// to norm_out match the CPU rmsnorm (a rare element one rounding step off: the squares are
+// summed in another order), and the product is that of W with exactly those rows.
+TEST(CudaGemv, InputNormFusedAndFallback) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(21);
+  const int64_t N = 2048, K = 1280;
+  Weight W = make_weight(WFormat::FP8_BLOCK, N, K, rng, 32);
+  std::uniform_real_distribution<float> wd(0.5f, 1.5f);
+  std::vector<float> nw(K);
+  for (float& v : nw) v = wd(rng);
+  DeviceBuffer dnw(K * 4);
+  DSX_CUDA_CHECK(cudaMemcpy(dnw.get(), nw.data(), K * 4, cudaMemcpyHostToDevice));
+  for (DType mode : {DType::BF16, DType::F32})
+    for (int T : {1, 3}) {
+      SCOPED_TRACE(testing::Message() << "mode " << (mode == DType::BF16 ? "bf16" : "f32") << " T " << T);
+      const bool bf16 = mode == DType::BF16;
+      std::vector<float> x = twin::random_acts(T, K, rng, bf16);
+      DeviceBuffer dx = upload_act(x, mode), dn(static_cast<size_t>(T * K) * cuda::dtype_size(mode));
+      DeviceBuffer dy(static_cast<size_t>(T * N) * cuda::dtype_size(mode));
+      cuda::GemvOpts o;
+      o.norm_w = dnw.as<float>();
+      o.norm_eps = 1e-6f;
+      o.norm_out = dn.get();
+      cuda::gemv(W.d.q, mode, dx.get(), K, T, mode, dy.get(), N, o, nullptr);
+      const std::string path = cuda::gemv_last_path();
+      DSX_CUDA_CHECK(cudaDeviceSynchronize());
+      if (default_gemv_switches() && bf16 && T == 1) EXPECT_EQ(path, "mma-ring");
+      std::vector<float> xn = download_act(dn, static_cast<size_t>(T * K), mode);
+      std::vector<float> want(xn.size());
+      twin::rmsnorm_rows(bf16, x.data(), want.data(), nw.data(), T, static_cast<int>(K), 1e-6f);
+      EXPECT_LE(dsx_test::count_far(xn, want, 0.0, bf16 ? kBf16Ulp : 1e-6, "normalized rows"), 0u);
+      EXPECT_LE(dsx_test::count_bit_diff(xn, want), xn.size() / 200 + 2) << "normalized rows: bit differences";
+      std::vector<float> ref(static_cast<size_t>(T * N)), abs(ref.size());
+      twin::linear(xn.data(), T, K, W.h.q, true, 32, 1, bf16, ref.data(), N, abs.data());
+      expect_close(download_act(dy, ref.size(), mode), ref, abs, kSumTol, bf16 ? kBf16Ulp : 0.0,
+                   "product of the normalized rows (" + path + ")");
+    }
 }
 
 TEST(CudaGemv, SplitKWorkspace) {

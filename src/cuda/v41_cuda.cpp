@@ -467,6 +467,7 @@ class CudaSession : public Session {
   // that stream (concurrent branches must not share one).
   void lin(const QMatrix& W, const void* x, int64_t ldx, int T, Act yt, void* y, int64_t ldy, bool qa8,
            int groups = 1, cudaStream_t st = nullptr);
+  GemvOpts gemv_opts(bool qa8, int groups, cudaStream_t st) const;
   void stage_engram(const int32_t* ids, int T);
 
   const DeviceModel& m_;
@@ -496,7 +497,7 @@ class CudaSession : public Session {
   float *pre0_ = nullptr, *pa_ = nullptr, *qa_ = nullptr, *Ca_ = nullptr, *pf_ = nullptr, *qf_ = nullptr,
         *Cf_ = nullptr;
   void* hc_work_ = nullptr;
-  void *q_lat_ = nullptr, *q_ = nullptr, *kv_raw_ = nullptr, *o_ = nullptr, *zeta_ = nullptr;
+  void *q_lat_ = nullptr, *q_latn_ = nullptr, *q_ = nullptr, *kv_raw_ = nullptr, *o_ = nullptr, *zeta_ = nullptr;
   Fq8Rows chunk_;
   float *kappa_ = nullptr, *gamma_ = nullptr;
   void* comp_act_ = nullptr;
@@ -629,6 +630,7 @@ CudaSession::CudaSession(const DeviceModel& m, const EngineOptions& o)
     Cf_ = static_cast<float*>(take(T * M * M * 4));
     hc_work_ = take(hc_work_bytes(static_cast<int>(T), D));
     q_lat_ = take(T * ql * ab_);
+    q_latn_ = take(T * ql * ab_);
     q_ = take(T * H * hd * ab_);
     kv_raw_ = take(T * hd * ab_);
     chunk_.dim = static_cast<int>(hd);
@@ -697,17 +699,21 @@ CudaSession::~CudaSession() {
   if (stream_) cudaStreamDestroy(stream_);
 }
 
+GemvOpts CudaSession::gemv_opts(bool qa8, int groups, cudaStream_t st) const {
+  GemvOpts o;
+  o.qa8 = qa8;
+  o.qblock = c_.quant_block;
+  o.groups = groups;
+  o.split_ws = st == side_[0] ? side_ws_[0] : st == side_[1] ? side_ws_[1] : gemv_ws_;
+  o.split_ws_bytes = gemv_ws_bytes_;
+  return o;
+}
+
 void CudaSession::lin(const QMatrix& W, const void* x, int64_t ldx, int T, Act yt, void* y, int64_t ldy, bool qa8,
                       int groups, cudaStream_t st) {
   if (!st) st = stream_;
   if (T <= kGemvMaxT) {
-    GemvOpts o;
-    o.qa8 = qa8;
-    o.qblock = c_.quant_block;
-    o.groups = groups;
-    o.split_ws = st == side_[0] ? side_ws_[0] : st == side_[1] ? side_ws_[1] : gemv_ws_;
-    o.split_ws_bytes = gemv_ws_bytes_;
-    gemv(W, act_, x, ldx, T, yt, y, ldy, o, st);
+    gemv(W, act_, x, ldx, T, yt, y, ldy, gemv_opts(qa8, groups, st), st);
   } else {
     DSX_CHECK(st == stream_, "prefill products run on the session stream");
     GemmOpts o;
@@ -930,10 +936,19 @@ void CudaSession::attention(int l, int T) {
   if (branch) DSX_CUDA_CHECK(cudaEventRecord(ev_join_[1], s_cmp));
   // §3.4.1 queries
   lin(L.wq_a, a_, D, T, act_, q_lat_, ql, true);
-  rmsnorm(act_, q_lat_, q_lat_, L.q_norm, T, static_cast<int>(ql), c_.rms_eps, nullptr, nullptr, stream_);
-  prof_.mark("wq_a+norm", stream_);
-  lin(L.wq_b, q_lat_, ql, T, act_, q_, H * hd, true);  // RoPE: in the attention (aa.q_inv_freq)
-  prof_.mark("wq_b", stream_);
+  prof_.mark("wq_a", stream_);
+  // q_norm, then wq_b (RoPE: in the attention, aa.q_inv_freq); the normalized rows land in
+  // q_latn_ for the indexer. One token: the norm is done by wq_b's kernel while it stages
+  // its input (GemvOpts::norm_w), which saves the norm's own launch.
+  if (T <= kGemvMaxT) {
+    GemvOpts o = gemv_opts(true, 1, stream_);
+    o.norm_w = L.q_norm, o.norm_eps = c_.rms_eps, o.norm_out = q_latn_;
+    gemv(L.wq_b, act_, q_lat_, ql, T, act_, q_, H * hd, o, stream_);
+  } else {
+    rmsnorm(act_, q_lat_, q_latn_, L.q_norm, T, static_cast<int>(ql), c_.rms_eps, nullptr, nullptr, stream_);
+    lin(L.wq_b, q_latn_, ql, T, act_, q_, H * hd, true);
+  }
+  prof_.mark("q_norm+wq_b", stream_);
   // §3.4.4-3.4.6 selection of compressed rows
   Fq4e4Rows cmp{};
   bool have_sel = false;
@@ -941,7 +956,7 @@ void CudaSession::attention(int l, int T) {
     const int src = c_.kv_source_of(l);
     if (c_.is_index_source(l)) {
       const int64_t ih = c_.index_n_heads, ihd = c_.index_head_dim;
-      lin(L.idx_wq_b, q_lat_, ql, T, act_, idx_q_, ih * ihd, true);
+      lin(L.idx_wq_b, q_latn_, ql, T, act_, idx_q_, ih * ihd, true);
       rope_fq4e8(act_, idx_q_, idx_qf_, T, static_cast<int>(ih), static_cast<int>(ihd), np, m_.comp_inv_freq,
                  cache_.d_pos(), stream_);
       prof_.mark("indexer q/w", stream_);

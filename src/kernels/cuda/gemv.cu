@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 
+#include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/gemv_device.cuh"
 #include "kernels/cuda/gemv_ring_device.cuh"
 #include "kernels/cuda/gemv_launch.h"
@@ -174,6 +175,9 @@ struct MmaParams {
   int yt;
   int64_t ldy;
   float prescale;
+  const float* norm_w;  // optional RMS norm of the (one-token) input, GemvOpts::norm_w
+  float norm_eps;
+  void* norm_out;
 };
 
 // U: spans in flight per lane (U KB per warp). Every warp walks the same number Pw of
@@ -239,8 +243,16 @@ __global__ void __launch_bounds__(kThreads, R ? 1 : 2) gemv_mma_kernel(const Mma
   }
 
   dev::pdl_wait();
-  dev::stage_b_mma<F, HW, QA>(bs, sas, p.tstride, p.T, p.NB, p.x, p.xt, p.ldx, static_cast<int64_t>(grp) * p.NB * 32,
-                              p.prescale);
+  if (p.norm_w) {  // (one token, one group: gemv_mma checks)
+    dev::StageNorm nrm;
+    nrm.w = p.norm_w;
+    nrm.r = dev::block_inv_rms(p.x, p.xt, p.NB * 32, p.norm_eps);
+    nrm.out = blockIdx.x == 0 ? p.norm_out : nullptr;  // block 0 also writes the normalized row
+    dev::stage_b_mma<F, HW, QA>(bs, sas, p.tstride, p.T, p.NB, p.x, p.xt, p.ldx, 0, p.prescale, nullptr, 0, &nrm);
+  } else {
+    dev::stage_b_mma<F, HW, QA>(bs, sas, p.tstride, p.T, p.NB, p.x, p.xt, p.ldx, static_cast<int64_t>(grp) * p.NB * 32,
+                                p.prescale);
+  }
   __syncthreads();
   dev::pdl_launch_dependents();
   const uint32_t* bzero = reinterpret_cast<const uint32_t*>(s_zero);
@@ -483,6 +495,12 @@ bool gemv_mma(const QMatrix& W, DType xt, const void* x, int64_t ldx, int T, DTy
   p.yt = static_cast<int>(yt);
   p.ldy = ldy;
   const int K = static_cast<int>(W.cols);
+  if (o.norm_w) {  // the fused input norm: one token, QA8, one group (gemv falls back otherwise)
+    if (T != 1 || !qa8 || o.groups != 1) return tr.no("input norm: one token with QA8 only");
+    p.norm_w = o.norm_w;
+    p.norm_eps = o.norm_eps;
+    p.norm_out = o.norm_out;
+  }
   if (!qa8) {
     // wo_a (spec §3.4.8): FP8 weights against unquantized bf16 activations, grouped, on
     // the shared ring; the activations are staged as f16 with power-of-two block scales
@@ -723,9 +741,20 @@ void gemv(const QMatrix& W, DType xt, const void* x, int64_t ldx, int T, DType y
     case WFormat::BF16: p.W.row_bytes = W.cols * 2; break;
     case WFormat::F32: p.W.row_bytes = W.cols * 4; break;
   }
+  MmaTry mt;
+  if (o.norm_w) {
+    // the input norm: fused into the tensor-core kernel's staging, else rmsnorm first
+    DSX_CHECK(o.norm_out && G == 1, "gemv ", W.name, ": an input norm needs norm_out and one group");
+    if (gemv_mma(W, xt, x, ldx, T, yt, y, ldy, o, qa8, p.W, stream, mt))
+      return note_path(W, xt, yt, T, o, qa8, mt.path, &mt, nullptr);
+    rmsnorm(xt, x, o.norm_out, o.norm_w, T, K, o.norm_eps, nullptr, nullptr, stream);
+    GemvOpts plain = o;
+    plain.norm_w = nullptr;
+    plain.norm_out = nullptr;
+    return gemv(W, xt, o.norm_out, K, T, yt, y, ldy, plain, stream);
+  }
   if (gemv_stream(W, p.W, xt, x, ldx, T, yt, y, ldy, o, qa8, stream))
     return note_path(W, xt, yt, T, o, qa8, "stream", nullptr, nullptr);
-  MmaTry mt;
   if (gemv_mma(W, xt, x, ldx, T, yt, y, ldy, o, qa8, p.W, stream, mt))
     return note_path(W, xt, yt, T, o, qa8, mt.path, &mt, nullptr);
   const Plan pl = make_plan(W.fmt, N, K, G, T, qa8, o.qblock, o.split_ws ? o.split_ws_bytes : 0, sm_count());

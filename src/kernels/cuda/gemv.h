@@ -39,6 +39,15 @@ struct GemvOpts {
   // 8 warps of a block split K.
   float* split_ws = nullptr;
   size_t split_ws_bytes = 0;
+  // Optional RMS norm of the input rows first (spec §3.4.1: q_norm between wq_a and wq_b):
+  // the product is taken with x'[t, k] = act(norm_w[k] * (x[t, k] * r_t)),
+  // r_t = 1 / sqrt(mean_k x[t, k]^2 + norm_eps) (the rmsnorm kernel's formula), and x' is
+  // also written to norm_out ([T, K] of the activation type) for other consumers. The
+  // one-token tensor-core kernels compute it while staging their activations (no launch of
+  // its own); other paths run rmsnorm into norm_out first. One group only.
+  const float* norm_w = nullptr;
+  float norm_eps = 0.0f;
+  void* norm_out = nullptr;
 };
 
 // W: descriptor with DEVICE pointers (data 16-byte aligned; FP8 tile size 32 or 128).

@@ -671,16 +671,46 @@ __device__ __forceinline__ uint32_t f16_pair(float lo, float hi) {
 // block's contribution (then < 2^-97 in absolute value) is rounded or lost.
 __device__ __forceinline__ int noqa_block_exp(float m) { return (m > 0.f && isfinite(m)) ? ilogbf(m) - 14 : 0; }
 
+// Optional RMS norm applied while staging (GemvOpts::norm_w, one token): w the norm
+// weights, r the row's 1 / rms (block_inv_rms), out (if not null) receives the normalized
+// row in the activation type.
+struct StageNorm {
+  const float* w = nullptr;
+  float r = 1.0f;
+  void* out = nullptr;
+};
+
+// 1 / sqrt(mean(x[0..n)^2) + eps) of one activation row, in every thread (squares summed
+// in double, as the rmsnorm kernel does). All threads of the block; blockDim.x % 32 == 0.
+__device__ __forceinline__ float block_inv_rms(const void* x, int xt, int n, float eps) {
+  __shared__ double part[32];
+  double ss = 0.0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const double v = load_act(x, xt, i);
+    ss += v * v;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(kFull, ss, o);
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  __syncthreads();
+  if (lane == 0) part[w] = ss;
+  __syncthreads();
+  double tot = part[0];
+  for (int i = 1; i < nw; ++i) tot += part[i];
+  return 1.0f / sqrtf(static_cast<float>(tot / static_cast<double>(n)) + eps);
+}
+
 // Stage nt activation rows x[t, xoff .. xoff + 32 NB) (row stride ldx, type xt) in the
 // B-fragment order of format F into bs ([nt][tstride][16] words) and the per-32-block
 // scales times prescale into sas ([nt][tstride]). QA8: QA8 codes (qblock 32) and their
 // scales; !QA8: the activations themselves as f16 with a power-of-two block scale (see
 // noqa_block_exp; FP8 only). All threads of the block. If fq != nullptr the staged values
 // times their scale (QA8: the fake-quantized values) are also written to fq[t * ldq + k] (f32).
+// nrm (one token, xoff 0): the row is RMS-normalized first (StageNorm).
 template <WFormat F, bool HW, bool QA8 = true>
 __device__ __forceinline__ void stage_b_mma(uint32_t* bs, float* sas, int tstride, int nt, int NB, const void* x,
                                             int xt, int64_t ldx, int64_t xoff, float prescale, float* fq = nullptr,
-                                            int64_t ldq = 0) {
+                                            int64_t ldq = 0, const StageNorm* nrm = nullptr) {
   const int per_tok = NB * 4;  // octets
   const int total = nt * per_tok;
   for (int i0 = 0; i0 < total; i0 += blockDim.x) {
@@ -692,6 +722,16 @@ __device__ __forceinline__ void stage_b_mma(uint32_t* bs, float* sas, int tstrid
     float v[8];
     if (ok) {
       load_act8(x, xt, static_cast<int64_t>(t) * ldx + xoff + kb * 32 + sub * 8, v);
+      if (nrm) {  // one token: x' = act(w * (x * r)), as the rmsnorm kernel
+        const int k0 = kb * 32 + sub * 8;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          float u = nrm->w[k0 + e] * (v[e] * nrm->r);
+          if (xt == 1) u = bf16_to_f32(f32_to_bf16(u));
+          v[e] = u;
+          if (nrm->out) store_act(nrm->out, xt, k0 + e, u);
+        }
+      }
     } else {
 #pragma unroll
       for (int e = 0; e < 8; ++e) v[e] = 0.f;
