@@ -332,8 +332,9 @@ __device__ __forceinline__ uint32_t ldg_u8_pred(const uint8_t* p, bool pred) {
 #endif
   return r;
 }
-// 2^(u-127) without branches (u = 0: 2^-127; u = 255 is not a valid scale here).
-__device__ __forceinline__ float e8m0_f32_nb(uint32_t u) { return __uint_as_float(u ? (u << 23) : 0x00400000u); }
+// 2^(u-127) without branches (u = 0: 2^-127; u = 255 is not a valid scale here): a shift
+// and an unsigned max (u << 23 >= 2^23 exceeds the bits of 2^-127 for every u >= 1).
+__device__ __forceinline__ float e8m0_f32_nb(uint32_t u) { return __uint_as_float(max(u << 23, 0x00400000u)); }
 
 __device__ __forceinline__ uint32_t ldg_u8_volatile(const uint8_t* p) {
   uint32_t r;

@@ -53,6 +53,7 @@ struct BAddr {
   int lim = 0;               // B words valid while kb0 < lim
   const float* sa = nullptr;  // activation scale of block 0 of this lane's C token
   bool has_sa = false;
+  int sa_step = 0;            // 1, or 0 for lanes without a C token (sa: the zero words)
 
   __device__ __forceinline__ void set(const uint32_t* bB, int lim_, const float* saP, const uint4* bzero) {
     z = bzero;
@@ -61,9 +62,14 @@ struct BAddr {
     lim = bB ? lim_ : 0x7fffffff;  // a lane without a B role reads the zeros everywhere
     has_sa = saP != nullptr;
     sa = has_sa ? saP : reinterpret_cast<const float*>(bzero);
+    sa_step = has_sa ? 1 : 0;
   }
   __device__ __forceinline__ const uint4* words(int kb0) const { return kb0 < lim ? b + kb0 * step : z; }
   __device__ __forceinline__ float scale(int kb, bool valid) const { return (has_sa && valid) ? sa[kb] : 0.f; }
+  // Full spans (every block of the span inside K): no bound tests, lanes without a role
+  // read the zero words through a zero step.
+  __device__ __forceinline__ const uint4* words_full(int kb0) const { return b + kb0 * step; }
+  __device__ __forceinline__ float scale_full(int kb) const { return sa[kb * sa_step]; }
 };
 
 // FP8_BLOCK consumer of a lane (hardware e4m3 -> f16; B staged by stage_b_mma<FP8, true>).
@@ -115,6 +121,9 @@ struct Fp8Cons {
 };
 
 // MXFP4 consumer of a lane (B staged by stage_b_mma<MXFP4, false>, scales x 2^14).
+// Full: K is a multiple of 128 (every span holds 4 whole scale blocks), so the span code
+// has no bound tests (the MoE shapes; the integer pipe is what limits those kernels).
+template <bool Full = false>
 struct Fp4Cons {
   const uint8_t* s0;  // e8m0 scales of row g at this lane's first block (2 (c & 1))
   const uint8_t* s8;  // row g+8
@@ -139,14 +148,14 @@ struct Fp4Cons {
     const uint4 a = lds128(slot + lane), a8 = lds128(slot + 32 + lane);
     const int kb0 = 4 * s;
     const int b0 = kb0 + 2 * (lane & 1);
-    const bool v0 = b0 < NB, v1 = b0 + 1 < NB;
+    const bool v0 = Full || b0 < NB, v1 = Full || b0 + 1 < NB;
     const uint8_t* p0 = s0 + static_cast<uint32_t>(kb0);  // one address per row, offsets 0 / 1
     const uint8_t* p8 = s8 + static_cast<uint32_t>(kb0);
     const uint32_t g0 = v0 ? static_cast<uint32_t>(__ldg(p0)) : 0u;
     const uint32_t g1 = v1 ? static_cast<uint32_t>(__ldg(p0 + 1)) : 0u;
     const uint32_t h0 = v0 ? static_cast<uint32_t>(__ldg(p8)) : 0u;
     const uint32_t h1 = v1 ? static_cast<uint32_t>(__ldg(p8 + 1)) : 0u;
-    const uint4* bw = ba.words(kb0);
+    const uint4* bw = Full ? ba.words_full(kb0) : ba.words(kb0);
     uint4 bq[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) bq[j] = bw[j];
@@ -162,8 +171,8 @@ struct Fp4Cons {
       mma_f16_16816(d, R[j][0], R8[j][0], R[j][2], R8[j][2], bq[j].x, bq[j].y);
       mma_f16_16816(d, R[j][1], R8[j][1], R[j][3], R8[j][3], bq[j].z, bq[j].w);
     }
-    const float sa0 = ba.scale(kb0, v0);
-    const float sa1 = ba.scale(kb0 + 1, v1);
+    const float sa0 = Full ? ba.scale_full(kb0) : ba.scale(kb0, v0);
+    const float sa1 = Full ? ba.scale_full(kb0 + 1) : ba.scale(kb0 + 1, v1);
     acc[0] = fmaf(d[0], e8m0_f32_nb(g0) * sa0, acc[0]);
     acc[0] = fmaf(d[1], e8m0_f32_nb(g1) * sa1, acc[0]);
     acc[1] = fmaf(d[2], e8m0_f32_nb(h0) * sa0, acc[1]);
@@ -179,7 +188,7 @@ struct RingCons<WFormat::FP8_BLOCK> {
 };
 template <>
 struct RingCons<WFormat::MXFP4> {
-  using type = Fp4Cons;
+  using type = Fp4Cons<false>;
 };
 
 }  // namespace dsx::cuda::dev
