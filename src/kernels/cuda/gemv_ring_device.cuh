@@ -7,6 +7,8 @@
 // instructions per span (SASS of the first ring kernel); here a span costs its loads,
 // conversions, mma and a few predicates.
 #pragma once
+#include <type_traits>
+
 #include "kernels/cuda/gemv_device.cuh"
 
 namespace dsx::cuda::dev {
@@ -73,6 +75,8 @@ struct BAddr {
 };
 
 // FP8_BLOCK consumer of a lane (hardware e4m3 -> f16; B staged by stage_b_mma<FP8, true>).
+// Full: K is a multiple of 64 (every span holds 2 whole scale blocks): no bound tests.
+template <bool Full = false>
 struct Fp8Cons {
   const uint8_t* srow;  // e8m0 tile row of the piece
   BAddr ba;
@@ -95,10 +99,10 @@ struct Fp8Cons {
   __device__ __forceinline__ void span(const uint4* slot, int s, float (&acc)[2], int lane) const {
     const uint4 a = lds128(slot + lane), a8 = lds128(slot + 32 + lane);
     const int kb0 = 2 * s;
-    const bool v0 = kb0 < NB, v1 = kb0 + 1 < NB;
+    const bool v0 = Full || kb0 < NB, v1 = Full || kb0 + 1 < NB;
     const uint32_t sc0 = v0 ? static_cast<uint32_t>(__ldg(srow + ((kb0 * 32) >> wshift))) : 0u;
     const uint32_t sc1 = v1 ? static_cast<uint32_t>(__ldg(srow + (((kb0 + 1) * 32) >> wshift))) : 0u;
-    const uint4* bw = ba.words(kb0);
+    const uint4* bw = Full ? ba.words_full(kb0) : ba.words(kb0);
     const uint4 b01 = bw[0], b23 = bw[1];
     uint32_t Pg[4], Qg[4], P8[4], Q8[4];
 #pragma unroll
@@ -111,8 +115,8 @@ struct Fp8Cons {
     mma_f16_16816(d, Pg[1], P8[1], Qg[1], Q8[1], b01.z, b01.w);
     mma_f16_16816(d, Pg[2], P8[2], Qg[2], Q8[2], b23.x, b23.y);
     mma_f16_16816(d, Pg[3], P8[3], Qg[3], Q8[3], b23.z, b23.w);
-    const float f0 = e8m0_f32_nb(sc0) * ba.scale(kb0, v0);
-    const float f1 = e8m0_f32_nb(sc1) * ba.scale(kb0 + 1, v1);
+    const float f0 = e8m0_f32_nb(sc0) * (Full ? ba.scale_full(kb0) : ba.scale(kb0, v0));
+    const float f1 = e8m0_f32_nb(sc1) * (Full ? ba.scale_full(kb0 + 1) : ba.scale(kb0 + 1, v1));
     acc[0] = fmaf(d[0], f0, acc[0]);
     acc[0] = fmaf(d[1], f1, acc[0]);
     acc[1] = fmaf(d[2], f0, acc[1]);
@@ -182,9 +186,12 @@ struct Fp4Cons {
 
 template <WFormat F>
 struct RingCons;
+// The consumer of format F, without bound tests when Full (K % 64 == 0 for FP8, % 128 for MXFP4).
+template <WFormat F, bool Full>
+using RingConsFull = std::conditional_t<F == WFormat::FP8_BLOCK, Fp8Cons<Full>, Fp4Cons<Full>>;
 template <>
 struct RingCons<WFormat::FP8_BLOCK> {
-  using type = Fp8Cons;
+  using type = Fp8Cons<false>;
 };
 template <>
 struct RingCons<WFormat::MXFP4> {
