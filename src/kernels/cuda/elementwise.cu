@@ -27,8 +27,7 @@ __global__ void rmsnorm_kernel(const T* x, T* y, const float* __restrict__ w, in
   __shared__ double red[32];
   const int64_t row = blockIdx.x;
   const T* xr = x + row * n;
-  // launched with programmatic dependent launch (the decode q_norm between wq_a and
-  // wq_b): x comes from the previous kernel
+  // launched with programmatic dependent launch: x may come from the previous kernel
   pdl_wait();
   pdl_launch_dependents();
   double ss = 0.0;

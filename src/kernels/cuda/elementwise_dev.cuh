@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/elementwise_types.h"
+#include "kernels/cuda/quant_act_device.cuh"
 #include "util/numerics.h"
 
 namespace dsx::cuda::dev {
@@ -44,32 +45,7 @@ __device__ __forceinline__ float round_bf16_dev(float v) { return __bfloat162flo
     }                                        \
   } while (0)
 
-// ---- reductions (deterministic: fixed butterfly / warp order) ---------------------
-template <typename V>
-__device__ __forceinline__ V warp_sum(V v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-
-// Block-wide sum, result in every thread. blockDim.x must be a multiple of 32 and
-// every thread must call it. scratch: >= 32 elements of shared memory.
-template <typename V>
-__device__ __forceinline__ V block_sum(V v, V* scratch) {
-  v = warp_sum(v);
-  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  __syncthreads();
-  if (lane == 0) scratch[w] = v;
-  __syncthreads();
-  V r = scratch[0];
-  for (int i = 1; i < nw; ++i) r += scratch[i];
-  return r;
-}
+// (warp_sum, warp_max and block_sum: quant_act_device.cuh)
 
 // ---- fake-quantizers on groups of consecutive lanes ----------------------------------
 // Each lane holds one element; a group is G consecutive lanes (G = 16 or 32); all 32

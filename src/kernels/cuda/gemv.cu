@@ -266,7 +266,8 @@ __global__ void __launch_bounds__(kThreads, R ? 1 : 2) gemv_mma_kernel(const Mma
     for (int q = 0; q < P; ++q) acc[q][0] = acc[q][1] = 0.f;
     if constexpr (R) {
       static_assert(P == 1, "the shared ring streams one token pass");
-      auto stream_tile = [&](auto& cons) {
+      // (spans without bound tests when K holds whole spans)
+      dev::with_ring_cons<F>(p.NB, [&](auto& cons) {
         cons.set(p.W, row0, row_last, bs, sas, p.tstride, p.T, p.NB, s_zero, lane);
 #pragma unroll 2
         for (int k = 0; k < nspw; ++k) {
@@ -275,15 +276,7 @@ __global__ void __launch_bounds__(kThreads, R ? 1 : 2) gemv_mma_kernel(const Mma
           ring_issue();  // refills the slot read one span ago (its data has been consumed)
           slot_out = slot_out == U ? 0 : slot_out + 1;
         }
-      };
-      // spans without bound tests when K holds whole spans (64 / 128 elements)
-      if (p.NB % (F == WFormat::FP8_BLOCK ? 2 : 4) == 0) {
-        dev::RingConsFull<F, true> cons;
-        stream_tile(cons);
-      } else {
-        dev::RingConsFull<F, false> cons;
-        stream_tile(cons);
-      }
+      });
     } else {
       for (int k0 = 0; k0 < Pw; k0 += U) {
 #pragma unroll

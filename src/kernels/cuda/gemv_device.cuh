@@ -707,15 +707,8 @@ __device__ __forceinline__ float block_inv_rms(const void* x, int xt, int n, flo
     const double v = load_act(x, xt, i);
     ss += v * v;
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(kFull, ss, o);
-  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  __syncthreads();
-  if (lane == 0) part[w] = ss;
-  __syncthreads();
-  double tot = part[0];
-  for (int i = 1; i < nw; ++i) tot += part[i];
-  return 1.0f / sqrtf(static_cast<float>(tot / static_cast<double>(n)) + eps);
+  ss = block_sum(ss, part);
+  return 1.0f / sqrtf(static_cast<float>(ss / static_cast<double>(n)) + eps);
 }
 
 // Stage nt activation rows x[t, xoff .. xoff + 32 NB) (row stride ldx, type xt) in the

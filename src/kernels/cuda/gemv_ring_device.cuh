@@ -54,7 +54,6 @@ struct BAddr {
   int step = 0;              // uint4 per scale block of B (4 for B-role lanes, 0 otherwise)
   int lim = 0;               // B words valid while kb0 < lim
   const float* sa = nullptr;  // activation scale of block 0 of this lane's C token
-  bool has_sa = false;
   int sa_step = 0;            // 1, or 0 for lanes without a C token (sa: the zero words)
 
   __device__ __forceinline__ void set(const uint32_t* bB, int lim_, const float* saP, const uint4* bzero) {
@@ -62,12 +61,11 @@ struct BAddr {
     b = bB ? reinterpret_cast<const uint4*>(bB) : bzero;
     step = bB ? 4 : 0;
     lim = bB ? lim_ : 0x7fffffff;  // a lane without a B role reads the zeros everywhere
-    has_sa = saP != nullptr;
-    sa = has_sa ? saP : reinterpret_cast<const float*>(bzero);
-    sa_step = has_sa ? 1 : 0;
+    sa = saP ? saP : reinterpret_cast<const float*>(bzero);
+    sa_step = saP ? 1 : 0;
   }
   __device__ __forceinline__ const uint4* words(int kb0) const { return kb0 < lim ? b + kb0 * step : z; }
-  __device__ __forceinline__ float scale(int kb, bool valid) const { return (has_sa && valid) ? sa[kb] : 0.f; }
+  __device__ __forceinline__ float scale(int kb, bool valid) const { return valid ? sa[kb * sa_step] : 0.f; }
   // Full spans (every block of the span inside K): no bound tests, lanes without a role
   // read the zero words through a zero step.
   __device__ __forceinline__ const uint4* words_full(int kb0) const { return b + kb0 * step; }
@@ -184,18 +182,21 @@ struct Fp4Cons {
   }
 };
 
-template <WFormat F>
-struct RingCons;
-// The consumer of format F, without bound tests when Full (K % 64 == 0 for FP8, % 128 for MXFP4).
+// The consumer of format F; Full: without bound tests (K % 64 == 0 for FP8, % 128 for MXFP4).
 template <WFormat F, bool Full>
-using RingConsFull = std::conditional_t<F == WFormat::FP8_BLOCK, Fp8Cons<Full>, Fp4Cons<Full>>;
-template <>
-struct RingCons<WFormat::FP8_BLOCK> {
-  using type = Fp8Cons<false>;
-};
-template <>
-struct RingCons<WFormat::MXFP4> {
-  using type = Fp4Cons<false>;
-};
+using RingCons = std::conditional_t<F == WFormat::FP8_BLOCK, Fp8Cons<Full>, Fp4Cons<Full>>;
+
+// f(cons) with the consumer of format F for K = 32 NB: the one without bound tests when K
+// holds whole spans (64 elements for FP8, 128 for MXFP4).
+template <WFormat F, typename Fn>
+__device__ __forceinline__ void with_ring_cons(int NB, Fn&& f) {
+  if (NB % (F == WFormat::FP8_BLOCK ? 2 : 4) == 0) {
+    RingCons<F, true> cons;
+    f(cons);
+  } else {
+    RingCons<F, false> cons;
+    f(cons);
+  }
+}
 
 }  // namespace dsx::cuda::dev

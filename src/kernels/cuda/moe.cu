@@ -1,7 +1,6 @@
 #include "kernels/cuda/moe.h"
 
 #include <algorithm>
-#include <type_traits>
 #include <vector>
 
 #include "kernels/cuda/gemm.h"
@@ -561,20 +560,20 @@ struct SpanStream {
     for (int u = 0; u < U; ++u) issue_one();
   }
   // acc += the next piece (q, which must be piece_at of the consumer's position); bs /
-  // sas: staged B (stage_b_mma) of its one token. Full: K % 64 == 0 (FP8) / 128 (MXFP4),
-  // spans without bound tests (dev::RingConsFull).
-  template <WFormat F, bool Full = false>
+  // sas: staged B (stage_b_mma) of its one token.
+  template <WFormat F>
   __device__ void consume_piece(const Piece& q, float (&acc)[1][2], const uint32_t* bs, const float* sas,
                                 const uint4* bzero) {
-    dev::RingConsFull<F, Full> cons;
-    cons.set(q.v, q.row0, q.row_last, bs, sas, NB, 1, NB, bzero, lane);
+    dev::with_ring_cons<F>(NB, [&](auto& cons) {
+      cons.set(q.v, q.row0, q.row_last, bs, sas, NB, 1, NB, bzero, lane);
 #pragma unroll 2
-    for (int s = q.s_lo; s < q.s_hi; ++s) {
-      dev::cp_async_wait<U - 1>();
-      cons.span(ring + slot_out * 64, s, acc[0], lane);
-      issue_one();
-      slot_out = slot_out == U ? 0 : slot_out + 1;
-    }
+      for (int s = q.s_lo; s < q.s_hi; ++s) {
+        dev::cp_async_wait<U - 1>();
+        cons.span(ring + slot_out * 64, s, acc[0], lane);
+        issue_one();
+        slot_out = slot_out == U ? 0 : slot_out + 1;
+      }
+    });
     dev::mma_acc_finish<F, 1>(acc);
   }
   __device__ void finish() { dev::cp_async_wait<0>(); }
@@ -681,12 +680,8 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_ring_t1_kernel(const UpMma
     if (li == my_units - 1) dev::pdl_launch_dependents();
     const Piece q = piece_at(li);
     float a[1][2] = {{0.f, 0.f}};
-    if (!q.fp4 && p.NB % 2 == 0)
-      st.template consume_piece<WFormat::FP8_BLOCK, true>(q, a, bs8, sas8, s_zero);
-    else if (!q.fp4)
+    if (!q.fp4)
       st.template consume_piece<WFormat::FP8_BLOCK>(q, a, bs8, sas8, s_zero);
-    else if (p.NB % 4 == 0)
-      st.template consume_piece<WFormat::MXFP4, true>(q, a, bs4, sas4, s_zero);
     else
       st.template consume_piece<WFormat::MXFP4>(q, a, bs4, sas4, s_zero);
     // No barrier per unit: each warp leaves its 16 sums in the unit's own red slot and
@@ -815,14 +810,9 @@ __global__ void __launch_bounds__(kDownRingThreads, 1) moe_down_ring_t1_kernel(c
       const int pc = warp + k * kDownRingWarps, it = pc >> 1;
       const Piece q = piece_at(ti * n_pc + k);
       float a[1][2] = {{0.f, 0.f}};
-      if (q.fp4 && p.NBI % 4 == 0)
-        st.template consume_piece<WFormat::MXFP4, true>(q, a, bs_r + static_cast<int64_t>(it) * p.NBI * 16,
-                                                        sas_r + static_cast<int64_t>(it) * p.NBI, s_zero);
-      else if (q.fp4)
+      if (q.fp4)
         st.template consume_piece<WFormat::MXFP4>(q, a, bs_r + static_cast<int64_t>(it) * p.NBI * 16,
                                                   sas_r + static_cast<int64_t>(it) * p.NBI, s_zero);
-      else if (p.NBI % 2 == 0)
-        st.template consume_piece<WFormat::FP8_BLOCK, true>(q, a, bs_s, sas_s, s_zero);
       else
         st.template consume_piece<WFormat::FP8_BLOCK>(q, a, bs_s, sas_s, s_zero);
       if (c == 0) {

@@ -1,4 +1,5 @@
-// Device-side helpers shared by the weight-streaming kernels (CUDA only).
+// Device-side helpers shared by the weight-streaming kernels and (through elementwise_dev.cuh)
+// the other kernels: activation loads / stores, warp and block reductions, QA8 (CUDA only).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -22,16 +23,32 @@ __device__ __forceinline__ void store_act(void* y, int yt, int64_t i, float v) {
     static_cast<uint16_t*>(y)[i] = f32_to_bf16(v);
 }
 
+// ---- reductions (deterministic: fixed butterfly / warp order) ---------------------
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
   return v;
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
+template <typename V>
+__device__ __forceinline__ V warp_sum(V v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
   return v;
+}
+
+// Block-wide sum, result in every thread. blockDim.x must be a multiple of 32 and
+// every thread must call it. scratch: >= 32 elements of shared memory.
+template <typename V>
+__device__ __forceinline__ V block_sum(V v, V* scratch) {
+  v = warp_sum(v);
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  __syncthreads();
+  if (lane == 0) scratch[w] = v;
+  __syncthreads();
+  V r = scratch[0];
+  for (int i = 1; i < nw; ++i) r += scratch[i];
+  return r;
 }
 
 // QA8 scale of a block whose max |x| is amax (spec §3.0.3; identical expression to
