@@ -718,17 +718,32 @@ __device__ __forceinline__ float block_inv_rms(const void* x, int xt, int n, flo
 // noqa_block_exp; FP8 only). All threads of the block. If fq != nullptr the staged values
 // times their scale (QA8: the fake-quantized values) are also written to fq[t * ldq + k] (f32).
 // nrm (one token, xoff 0): the row is RMS-normalized first (StageNorm).
+// mx (FP8 with HW only): also the MXFP4 order of the same codes (the MoE up kernel, whose
+// blocks meet both formats: one quantization for both).
+struct StageAlso {
+  uint32_t* bs = nullptr;
+  float* sas = nullptr;
+  float prescale = 1.0f;
+};
 template <WFormat F, bool HW, bool QA8 = true>
 __device__ __forceinline__ void stage_b_mma(uint32_t* bs, float* sas, int tstride, int nt, int NB, const void* x,
                                             int xt, int64_t ldx, int64_t xoff, float prescale, float* fq = nullptr,
-                                            int64_t ldq = 0, const StageNorm* nrm = nullptr) {
+                                            int64_t ldq = 0, const StageNorm* nrm = nullptr,
+                                            const StageAlso* mx = nullptr) {
+  // One octet per thread and pass; the (token, octet) of a pass advances by additions
+  // (no division in the loop: the passes are chains of dependent steps, the index math
+  // included). Octets 4m .. 4m+3 (one 32-element block) are in the lanes of one quad
+  // (per_tok % 4 == 0, blockDim.x % 32 == 0).
   const int per_tok = NB * 4;  // octets
   const int total = nt * per_tok;
-  for (int i0 = 0; i0 < total; i0 += blockDim.x) {
-    const int i = i0 + static_cast<int>(threadIdx.x);
-    const bool ok = i < total;
-    const int t = ok ? i / per_tok : 0;
-    const int o = ok ? i - t * per_tok : 0;
+  const int bd = static_cast<int>(blockDim.x), step_t = bd / per_tok, step_o = bd - step_t * per_tok;
+  int t_next = static_cast<int>(threadIdx.x) / per_tok, o_next = static_cast<int>(threadIdx.x) - t_next * per_tok;
+  for (int i0 = 0; i0 < total; i0 += bd) {
+    const bool ok = i0 + static_cast<int>(threadIdx.x) < total;
+    const int t = t_next, o = o_next;
+    o_next += step_o;
+    t_next += step_t;
+    if (o_next >= per_tok) o_next -= per_tok, ++t_next;
     const int kb = o >> 2, sub = o & 3;
     float v[8];
     if (ok) {
@@ -758,7 +773,7 @@ __device__ __forceinline__ void stage_b_mma(uint32_t* bs, float* sas, int tstrid
     float sc, q[8];
     if constexpr (QA8) {
       sc = qa8_scale(m);
-      const float inv = 1.0f / sc;  // exact: sc is a power of two in [2^-22, 2^126]
+      const float inv = pow2_recip(sc);  // == 1 / sc (sc: a power of two in [2^-22, 2^120], or inf)
 #pragma unroll
       for (int e = 0; e < 8; ++e) q[e] = v[e] * inv;  // == v / sc (exact scaling)
     } else {
@@ -778,6 +793,14 @@ __device__ __forceinline__ void stage_b_mma(uint32_t* bs, float* sas, int tstrid
     }
     reinterpret_cast<uint4*>(bs + (static_cast<int64_t>(t) * tstride + kb) * 16)[sub] = w;
     if (sub == 0) sas[static_cast<int64_t>(t) * tstride + kb] = sc * prescale;
+    if constexpr (F == WFormat::FP8_BLOCK && HW && QA8) {
+      if (mx) {  // (q0, q4), (q1, q5), (q2, q6), (q3, q7) from (q0, q1), (q2, q3), (q4, q5), (q6, q7)
+        const uint4 w4 = make_uint4(__byte_perm(w.x, w.z, 0x5410), __byte_perm(w.x, w.z, 0x7632),
+                                    __byte_perm(w.y, w.w, 0x5410), __byte_perm(w.y, w.w, 0x7632));
+        reinterpret_cast<uint4*>(mx->bs + (static_cast<int64_t>(t) * tstride + kb) * 16)[sub] = w4;
+        if (sub == 0) mx->sas[static_cast<int64_t>(t) * tstride + kb] = sc * mx->prescale;
+      }
+    }
     if (fq) {
       // code values back from the staged words (element e of the octet)
       const uint32_t ww[4] = {w.x, w.y, w.z, w.w};

@@ -670,11 +670,17 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_ring_t1_kernel(const UpMma
   __syncthreads();
   if (!early) st.start();
   for (int i = threadIdx.x; i < p.max_units; i += blockDim.x) ucnt[i] = 0;
-  if (any_sh)
+  if (any_sh) {  // (with the MXFP4 order too when the block also meets routed units)
+    dev::StageAlso mx;
+    mx.bs = bs4;
+    mx.sas = sas4;
+    mx.prescale = dev::kMx4MmaPrescale;
     dev::stage_b_mma<WFormat::FP8_BLOCK, true>(bs8, sas8, p.NB, 1, p.NB, p.x, p.xt, p.ldx, 0,
-                                               dev::fp8_mma_prescale<true>());
-  if (any_rt)
+                                               dev::fp8_mma_prescale<true>(), nullptr, 0, nullptr,
+                                               any_rt ? &mx : nullptr);
+  } else if (any_rt) {
     dev::stage_b_mma<WFormat::MXFP4, false>(bs4, sas4, p.NB, 1, p.NB, p.x, p.xt, p.ldx, 0, dev::kMx4MmaPrescale);
+  }
   __syncthreads();
   for (int li = 0; li < my_units; ++li) {
     if (li == my_units - 1) dev::pdl_launch_dependents();

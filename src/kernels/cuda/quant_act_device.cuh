@@ -53,9 +53,19 @@ __device__ __forceinline__ V block_sum(V v, V* scratch) {
 
 // QA8 scale of a block whose max |x| is amax (spec §3.0.3; identical expression to
 // dsx::cpu::qa8_codes).
+// (pow2ceil by its bits: the argument is a normal number >= 2^-23 or inf, so the
+// rounded-up exponent field fits in 8 bits and 255 is inf, as pow2ceil gives.)
 __device__ __forceinline__ float qa8_scale(float amax) {
   const float inv448 = 1.0f / 448.0f;
-  return pow2ceil(fmaxf(amax, 1e-4f) * inv448);
+  const uint32_t u = __float_as_uint(fmaxf(amax, 1e-4f) * inv448);
+  return __uint_as_float(((u >> 23) + ((u & 0x7fffffu) != 0 ? 1u : 0u)) << 23);
+}
+
+// 1 / s for a power of two s in [2^-126, 2^126] (exact, an exponent subtraction) or
+// s = inf (0), as 1.0f / s but without the division's instruction sequence.
+__device__ __forceinline__ float pow2_recip(float s) {
+  const uint32_t b = __float_as_uint(s);
+  return b >= 0x7f800000u ? 0.0f : __uint_as_float(0x7f000000u - b);
 }
 
 __device__ __forceinline__ uint8_t qa8_code(float v, float s) {
