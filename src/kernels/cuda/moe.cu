@@ -1,6 +1,7 @@
 #include "kernels/cuda/moe.h"
 
 #include <algorithm>
+#include <climits>
 #include <vector>
 
 #include "kernels/cuda/gemm.h"
@@ -397,18 +398,15 @@ struct DownSmem {
 // (ascending expert id, shared expert last). All threads.
 // The slot order of token t (ascending expert id, shared expert last). Thread 0.
 __device__ __forceinline__ void down_order(const DownMmaParams& p, int t, int* order) {
-  if (threadIdx.x == 0) {
-    for (int j = 0; j < p.S; ++j) order[j] = j;
-    for (int a = 1; a < p.topk; ++a) {
-      const int v = order[a];
-      const int ev = p.ids[t * p.topk + v];
-      int b = a - 1;
-      while (b >= 0 && p.ids[t * p.topk + order[b]] > ev) {
-        order[b + 1] = order[b];
-        --b;
-      }
-      order[b + 1] = v;
+  if (threadIdx.x < 32) {  // warp 0: slot j goes to its rank (expert id, then slot: a stable sort)
+    const int j = static_cast<int>(threadIdx.x);
+    const int key = j < p.topk ? p.ids[t * p.topk + j] : INT_MAX;  // (the shared expert: last)
+    int rank = 0;
+    for (int i = 0; i < p.S; ++i) {
+      const int ki = __shfl_sync(0xffffffffu, key, i);
+      rank += (ki < key || (ki == key && i < j)) ? 1 : 0;
     }
+    if (j < p.S) order[rank] = j;
   }
 }
 
@@ -793,11 +791,12 @@ __global__ void __launch_bounds__(kDownRingThreads, 1) moe_down_ring_t1_kernel(c
   };
   auto st = make_stream<U>(ring, lane, p.NBI, my_tiles * n_pc, piece_at);
   st.start();
+  down_order(p, 0, order);  // (ids: see above; the order is read after the barrier below)
   dev::pdl_wait();  // h comes from the up kernel
-  down_order(p, 0, order);
   for (int i = threadIdx.x; i < p.max_tiles; i += blockDim.x) tcnt[i] = 0;
   {
-    float* fq = blockIdx.x == 0 ? p.hq : nullptr;  // block 0 also writes QA8(h)
+    // the last block (one of those with the fewest tiles) also writes QA8(h)
+    float* fq = blockIdx.x == gridDim.x - 1 ? p.hq : nullptr;
     dev::stage_b_mma<WFormat::MXFP4, false>(bs_r, sas_r, p.NBI, p.topk, p.NBI, p.h, 0, p.I, 0, dev::kMx4MmaPrescale,
                                             fq, p.I);
     if (p.has_shared)
