@@ -536,6 +536,17 @@ class CudaSession : public Session {
   // decode graph
   cudaGraphExec_t graph_ = nullptr;
   int decode_steps_ = 0;
+  // Context bound of the launches being recorded or run (tokens): the indexer, block
+  // scores and top-k launches are sized for the rows a layer can have at this context
+  // (rows_bound), not for the session's capacity, so that a session sized for 300k
+  // tokens decodes an 8k context with the kernels (one-CTA top-k, small grids) of an 8k
+  // one. Eager steps: the exact context; the decode graph: graph_ctx_, a power of two
+  // (at least DSX_GRAPH_MIN_CTX, default 16384, at most the capacity), captured again
+  // when the context outgrows it or falls to a quarter of it.
+  int64_t ctx_bound_ = 0;
+  int64_t graph_ctx_ = 0;
+  int64_t rows_bound(int src) const;
+  int64_t decode_graph_ctx(int64_t ctx) const;
   // DSX_GRAPH_TIMING=1: device time of the replayed decode graph vs the wall time
   // of the whole step (host work included), printed when the session ends.
   bool graph_timing_ = std::getenv("DSX_GRAPH_TIMING") != nullptr;
@@ -966,7 +977,7 @@ void CudaSession::attention(int l, int T) {
       IndexerScoreArgs ia;
       ia.T = T, ia.n_heads = static_cast<int>(ih), ia.head_dim = static_cast<int>(ihd), ia.ratio = r;
       ia.q = idx_qf_, ia.w = idx_w_, ia.keys = cache_.keys(src);
-      ia.max_rows = cache_.geometry().row_capacity(src);
+      ia.max_rows = rows_bound(src);
       if (uses_cand) {
         ia.cand_blocks = cand_, ia.cand_ld = c_.candidate_topk_blocks, ia.cand_count = cand_count_;
         ia.cand_block_size = c_.candidate_block_size;
@@ -976,10 +987,11 @@ void CudaSession::attention(int l, int T) {
       indexer_scores(act_, ia, stream_);
       prof_.mark("indexer scores", stream_);
       if (is_cand) {
+        const int64_t max_blocks = std::min<int64_t>(block_ld_, ia.max_rows / c_.candidate_block_size + 1);
         block_scores(T, scores_, score_ld_, counts_, c_.candidate_block_size, bscores_, block_ld_, bcounts_,
-                     block_ld_, stream_);
+                     max_blocks, stream_);
         topk_select(T, bscores_, block_ld_, bcounts_, c_.candidate_topk_blocks, nullptr, 0, 1, cand_,
-                    c_.candidate_topk_blocks, cand_count_, stream_);
+                    c_.candidate_topk_blocks, cand_count_, stream_, max_blocks);
       }
       topk_select(T, scores_, score_ld_, counts_, c_.index_topk, uses_cand ? cand_ : nullptr,
                   uses_cand ? c_.candidate_topk_blocks : 0, uses_cand ? c_.candidate_block_size : 1, sel_,
@@ -1047,6 +1059,20 @@ void CudaSession::moe(int l, int T) {
   prof_.mark("moe", stream_);
 }
 
+int64_t CudaSession::rows_bound(int src) const {
+  const DeviceKVGeometry& g = cache_.geometry();
+  const int r = g.source_ratio[src];
+  // (the indexer sees (p + 1) / r rows at position p: at most ctx_bound_ / r)
+  return r > 0 ? std::min<int64_t>(g.row_capacity(src), ctx_bound_ / r) : 0;
+}
+
+int64_t CudaSession::decode_graph_ctx(int64_t ctx) const {
+  static const int64_t lo = std::max(1, env_int("DSX_GRAPH_MIN_CTX", 16384));
+  int64_t b = lo;
+  while (b < ctx) b *= 2;
+  return std::min(b, max_ctx_);
+}
+
 void CudaSession::step(const int32_t* ids, int T, bool all_rows) {
   for (int t = 0; t < T; ++t)
     if (ids[t] < 0 || ids[t] >= c_.vocab_size)
@@ -1060,8 +1086,14 @@ void CudaSession::step(const int32_t* ids, int T, bool all_rows) {
   stage_engram(ids, T);
   if (T == 1 && !all_rows) {
     // Decode: the first steps run eagerly (kernels set their launch attributes), then
-    // the step is captured once as a CUDA graph and replayed.
+    // the step is captured as a CUDA graph and replayed, per context bound (ctx_bound_).
+    const int64_t want = decode_graph_ctx(pos_ + 1);
+    if (graph_ && (pos_ + 1 > graph_ctx_ || want * 4 <= graph_ctx_)) {
+      DSX_CUDA_CHECK(cudaGraphExecDestroy(graph_));
+      graph_ = nullptr;
+    }
     if (!graph_ && decode_steps_ >= 1 && !prof_.on()) {
+      graph_ctx_ = ctx_bound_ = want;
       cudaGraph_t g = nullptr;
       DSX_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
       try {
@@ -1084,10 +1116,12 @@ void CudaSession::step(const int32_t* ids, int T, bool all_rows) {
       DSX_CUDA_CHECK(cudaGraphLaunch(graph_, stream_));
       if (graph_timing_) DSX_CUDA_CHECK(cudaEventRecord(gt1_, stream_));
     } else {
+      ctx_bound_ = pos_ + 1;
       forward(1, false);
     }
     ++decode_steps_;
   } else {
+    ctx_bound_ = pos_ + T;
     forward(T, all_rows);
   }
   pos_ += T;
