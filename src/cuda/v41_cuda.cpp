@@ -540,11 +540,13 @@ class CudaSession : public Session {
   // scores and top-k launches are sized for the rows a layer can have at this context
   // (rows_bound), not for the session's capacity, so that a session sized for 300k
   // tokens decodes an 8k context with the kernels (one-CTA top-k, small grids) of an 8k
-  // one. Eager steps: the exact context; the decode graph: graph_ctx_, a power of two
-  // (at least DSX_GRAPH_MIN_CTX, default 16384, at most the capacity), captured again
+  // one. Prefill chunks: the exact context; decode: a power of two (at least
+  // DSX_GRAPH_MIN_CTX, default 16384, at most the capacity), graph_ctx_ for the
+  // captured graph, which is captured again (after one eager step at the new bound)
   // when the context outgrows it or falls to a quarter of it.
   int64_t ctx_bound_ = 0;
   int64_t graph_ctx_ = 0;
+  int64_t warm_ctx_ = 0;  // the bound of the last eager decode step
   int64_t rows_bound(int src) const;
   int64_t decode_graph_ctx(int64_t ctx) const;
   // DSX_GRAPH_TIMING=1: device time of the replayed decode graph vs the wall time
@@ -1087,12 +1089,14 @@ void CudaSession::step(const int32_t* ids, int T, bool all_rows) {
   if (T == 1 && !all_rows) {
     // Decode: the first steps run eagerly (kernels set their launch attributes), then
     // the step is captured as a CUDA graph and replayed, per context bound (ctx_bound_).
+    // A new bound first runs one step eagerly, so that every kernel variant it selects
+    // has been launched (and has set its attributes) before the capture.
     const int64_t want = decode_graph_ctx(pos_ + 1);
     if (graph_ && (pos_ + 1 > graph_ctx_ || want * 4 <= graph_ctx_)) {
       DSX_CUDA_CHECK(cudaGraphExecDestroy(graph_));
       graph_ = nullptr;
     }
-    if (!graph_ && decode_steps_ >= 1 && !prof_.on()) {
+    if (!graph_ && decode_steps_ >= 1 && !prof_.on() && warm_ctx_ == want) {
       graph_ctx_ = ctx_bound_ = want;
       cudaGraph_t g = nullptr;
       DSX_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
@@ -1116,7 +1120,7 @@ void CudaSession::step(const int32_t* ids, int T, bool all_rows) {
       DSX_CUDA_CHECK(cudaGraphLaunch(graph_, stream_));
       if (graph_timing_) DSX_CUDA_CHECK(cudaEventRecord(gt1_, stream_));
     } else {
-      ctx_bound_ = pos_ + 1;
+      ctx_bound_ = warm_ctx_ = want;
       forward(1, false);
     }
     ++decode_steps_;
