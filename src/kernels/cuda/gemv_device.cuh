@@ -711,6 +711,14 @@ __device__ __forceinline__ float block_inv_rms(const void* x, int xt, int n, flo
   return 1.0f / sqrtf(static_cast<float>(ss / static_cast<double>(n)) + eps);
 }
 
+// A second destination of stage_b_mma: the MXFP4 B order of the same QA8 codes (the MoE
+// up kernel, whose blocks meet both formats: one quantization for both).
+struct StageAlso {
+  uint32_t* bs = nullptr;
+  float* sas = nullptr;
+  float prescale = 1.0f;
+};
+
 // Stage nt activation rows x[t, xoff .. xoff + 32 NB) (row stride ldx, type xt) in the
 // B-fragment order of format F into bs ([nt][tstride][16] words) and the per-32-block
 // scales times prescale into sas ([nt][tstride]). QA8: QA8 codes (qblock 32) and their
@@ -718,13 +726,7 @@ __device__ __forceinline__ float block_inv_rms(const void* x, int xt, int n, flo
 // noqa_block_exp; FP8 only). All threads of the block. If fq != nullptr the staged values
 // times their scale (QA8: the fake-quantized values) are also written to fq[t * ldq + k] (f32).
 // nrm (one token, xoff 0): the row is RMS-normalized first (StageNorm).
-// mx (FP8 with HW only): also the MXFP4 order of the same codes (the MoE up kernel, whose
-// blocks meet both formats: one quantization for both).
-struct StageAlso {
-  uint32_t* bs = nullptr;
-  float* sas = nullptr;
-  float prescale = 1.0f;
-};
+// mx (FP8 with HW only): also the MXFP4 order of the same codes (StageAlso).
 template <WFormat F, bool HW, bool QA8 = true>
 __device__ __forceinline__ void stage_b_mma(uint32_t* bs, float* sas, int tstride, int nt, int NB, const void* x,
                                             int xt, int64_t ldx, int64_t xoff, float prescale, float* fq = nullptr,

@@ -394,9 +394,8 @@ struct DownSmem {
   const uint32_t* bzero;
 };
 
-// Stages QA8(h) of token t (fq: also written there, unscaled) and the slot order
-// (ascending expert id, shared expert last). All threads.
-// The slot order of token t (ascending expert id, shared expert last). Thread 0.
+// The slot order of token t (ascending expert id, ties by slot; the shared expert last)
+// into order[0 .. S). Warp 0 (all its lanes); readers synchronise with it first.
 __device__ __forceinline__ void down_order(const DownMmaParams& p, int t, int* order) {
   if (threadIdx.x < 32) {  // warp 0: slot j goes to its rank (expert id, then slot: a stable sort)
     const int j = static_cast<int>(threadIdx.x);
@@ -410,6 +409,7 @@ __device__ __forceinline__ void down_order(const DownMmaParams& p, int t, int* o
   }
 }
 
+// Stages QA8(h) of token t (fq: also written there, unscaled) and the slot order. All threads.
 __device__ __forceinline__ void down_stage(const DownMmaParams& p, int t, float* fq, const DownSmem& sm) {
   down_order(p, t, sm.order);
   const int64_t hrow = static_cast<int64_t>(t) * p.S * p.I;

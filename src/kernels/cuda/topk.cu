@@ -384,14 +384,14 @@ __global__ void __launch_bounds__(kSmallThreads)
   }
 }
 
-// The cluster kernel needs sm_90 device code (a build for an older virtual
-// architecture JIT-compiled on the H200 gets the single-CTA kernel).
 // DSX_TOPK_SMALL=0: rows of at most kSmallN entries also take the general kernel.
 bool small_enabled() {
   static const bool v = env_int("DSX_TOPK_SMALL", 1) != 0;
   return v;
 }
 
+// The cluster kernel needs sm_90 device code (a build for an older virtual
+// architecture JIT-compiled on the H200 gets the single-CTA kernel).
 bool use_clusters() {
   static int cached = -1;
   if (cached < 0 && env_int("DSX_TOPK_CLUSTER", 1) == 0) cached = 0;  // (measurement switch)
