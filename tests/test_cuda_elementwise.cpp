@@ -627,6 +627,15 @@ TEST(CudaArgmax, MatchesHostArgmax) {
     std::vector<int32_t> got(rows);
     dout.download(got.data(), rows * 4);
     for (int r = 0; r < rows; ++r) EXPECT_EQ(got[r], argmax(x.data() + r * ld, n)) << "n " << n << " row " << r;
+    // each row alone (one aligned row of >= 8192: the many-block kernel, twice so that
+    // the second call finds its counter reset)
+    for (int rep = 0; rep < 2; ++rep)
+      for (int r = 0; r < rows; ++r) {
+        cuda::argmax_rows(dx.as<float>() + r * ld, ld, 1, n, dout.as<int32_t>(), nullptr);
+        int32_t one = -1;
+        dout.download(&one, 4);
+        EXPECT_EQ(one, argmax(x.data() + r * ld, n)) << "one row, n " << n << " row " << r;
+      }
   }
 }
 

@@ -56,6 +56,13 @@ bool branches_enabled() {
   return v;
 }
 
+// DSX_ENGRAM_OVERLAP=0: decode gathers the host Engram rows before the step's graph
+// (default: while the layers before the first Engram layer run)
+bool engram_overlap_enabled() {
+  static const bool v = env_int("DSX_ENGRAM_OVERLAP", 1) != 0;
+  return v;
+}
+
 // DSX_ATTN_MMA=0: CUDA-core attention in BF16 mode
 bool attn_mma_enabled() {
   static const bool v = env_int("DSX_ATTN_MMA", 1) != 0;
@@ -460,7 +467,9 @@ class CudaSession : public Session {
  private:
   void step(const int32_t* ids, int T, bool all_rows);  // enqueue inputs, run, advance
   void note_graph_time(std::chrono::steady_clock::time_point wall0);
-  void forward(int T, bool all_rows);                   // the kernels of one chunk
+  // the kernels of one chunk: the embedding (l0 == 0), layers [l0, l1), the final fold
+  // and the head (l1 == n_layers)
+  void forward(int T, bool all_rows, int l0 = 0, int l1 = -1);
   void attention(int l, int T);
   void moe(int l, int T);
   // Launches on `st` (default: the session stream) with the GEMV split workspace of
@@ -468,7 +477,7 @@ class CudaSession : public Session {
   void lin(const QMatrix& W, const void* x, int64_t ldx, int T, Act yt, void* y, int64_t ldy, bool qa8,
            int groups = 1, cudaStream_t st = nullptr);
   GemvOpts gemv_opts(bool qa8, int groups, cudaStream_t st) const;
-  void stage_engram(const int32_t* ids, int T);
+  void stage_engram(const int32_t* ids, int T, cudaStream_t st);  // (copies on st)
 
   const DeviceModel& m_;
   const ModelConfig& c_;
@@ -535,6 +544,16 @@ class CudaSession : public Session {
   bool branches(int T) const { return T <= kGemvMaxT && !prof_.on() && branches_enabled(); }
   // decode graph
   cudaGraphExec_t graph_ = nullptr;
+  // Decode with Engram tables gathered on the host (split_layer_ > 0: the first Engram
+  // layer): the step is two graphs, the layers before split_layer_ (graph_a_, with the
+  // embedding) and the rest (graph_). graph_a_ runs while the host hashes the token
+  // history and gathers the rows; their copies go on copy_stream_, which graph_ waits
+  // for (ev_engram_). DSX_ENGRAM_OVERLAP=0: one graph, the gather before it.
+  cudaGraphExec_t graph_a_ = nullptr;
+  int split_layer_ = 0;
+  cudaStream_t copy_stream_ = nullptr;
+  cudaEvent_t ev_engram_ = nullptr;
+  cudaGraphExec_t capture(int T, int l0, int l1);
   int decode_steps_ = 0;
   // Context bound of the launches being recorded or run (tokens): the indexer, block
   // scores and top-k launches are sized for the rows a layer can have at this context
@@ -567,6 +586,10 @@ CudaSession::CudaSession(const DeviceModel& m, const EngineOptions& o)
   DSX_CUDA_CHECK(cudaStreamCreateWithFlags(&side_hc_, cudaStreamNonBlocking));
   DSX_CUDA_CHECK(cudaEventCreateWithFlags(&ev_hc_fork_, cudaEventDisableTiming));
   DSX_CUDA_CHECK(cudaEventCreateWithFlags(&ev_hc_join_, cudaEventDisableTiming));
+  DSX_CUDA_CHECK(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
+  DSX_CUDA_CHECK(cudaEventCreateWithFlags(&ev_engram_, cudaEventDisableTiming));
+  if (!c_.engram_layers.empty() && engram_overlap_enabled())
+    split_layer_ = *std::min_element(c_.engram_layers.begin(), c_.engram_layers.end());
   max_ctx_ = o.max_context > 0 ? o.max_context : 8192;
   // prefill chunk (tokens per forward pass; DSX_PREFILL_CHUNK overrides, 64 .. 4096).
   // 2048: the routed experts' weights are streamed once per chunk, so larger chunks
@@ -701,6 +724,9 @@ CudaSession::~CudaSession() {
   if (gt0_) cudaEventDestroy(gt0_);
   if (gt1_) cudaEventDestroy(gt1_);
   if (graph_) cudaGraphExecDestroy(graph_);
+  if (graph_a_) cudaGraphExecDestroy(graph_a_);
+  if (ev_engram_) cudaEventDestroy(ev_engram_);
+  if (copy_stream_) cudaStreamDestroy(copy_stream_);
   for (auto& sd : side_)
     if (sd) cudaStreamDestroy(sd);
   if (ev_fork_) cudaEventDestroy(ev_fork_);
@@ -740,7 +766,7 @@ void CudaSession::lin(const QMatrix& W, const void* x, int64_t ldx, int T, Act y
 
 // Engram row ids (host hashing of the token history, spec §3.2.2) and, for tables
 // kept on the host, the gathered rows.
-void CudaSession::stage_engram(const int32_t* ids, int T) {
+void CudaSession::stage_engram(const int32_t* ids, int T, cudaStream_t st) {
   const EngramLayout& E = m_.engram;
   if (E.n_layers == 0) return;
   const int64_t p0 = pos_, back = E.max_ngram - 1, h0 = std::max<int64_t>(0, p0 - back);
@@ -754,7 +780,7 @@ void CudaSession::stage_engram(const int32_t* ids, int T) {
   int64_t* rows = h_engram_rows_.data();  // [layer][t][col]
   for (int li = 0; li < nl; ++li)
     for (int t = 0; t < T; ++t) E.row_ids(li, hist.data(), h0, p0 + t, rows + li * n + static_cast<int64_t>(t) * nc);
-  DSX_CUDA_CHECK(cudaMemcpyAsync(d_engram_ids_, rows, static_cast<size_t>(nl * n) * 8, cudaMemcpyHostToDevice, stream_));
+  DSX_CUDA_CHECK(cudaMemcpyAsync(d_engram_ids_, rows, static_cast<size_t>(nl * n) * 8, cudaMemcpyHostToDevice, st));
   for (int li = 0; li < nl; ++li) {
     const DevLayer& L = m_.layers[static_cast<size_t>(c_.engram_layers[static_cast<size_t>(li)])];
     if (L.engram_table) continue;
@@ -766,9 +792,9 @@ void CudaSession::stage_engram(const int32_t* ids, int T) {
       std::memcpy(codes + i * ed, L.engram_host_table + r * ed, static_cast<size_t>(ed));
       std::memcpy(scales + i * (ed / 32), L.engram_host_scale + r * (ed / 32), static_cast<size_t>(ed / 32));
     }
-    DSX_CUDA_CHECK(cudaMemcpyAsync(engram_stage_ + li * n * ed, codes, static_cast<size_t>(n * ed), cudaMemcpyHostToDevice, stream_));
+    DSX_CUDA_CHECK(cudaMemcpyAsync(engram_stage_ + li * n * ed, codes, static_cast<size_t>(n * ed), cudaMemcpyHostToDevice, st));
     DSX_CUDA_CHECK(cudaMemcpyAsync(engram_stage_scale_ + li * n * (ed / 32), scales, static_cast<size_t>(n * ed / 32),
-                                   cudaMemcpyHostToDevice, stream_));
+                                   cudaMemcpyHostToDevice, st));
   }
   // the pinned staging buffers are rewritten by the next step, which first waits
   // for this one (feed synchronises at its end)
@@ -802,19 +828,23 @@ void CudaSession::hc_site_pass(const HcPassArgs& p) {
   hc_pass(act_, p, stream_);
 }
 
-void CudaSession::forward(int T, bool all_rows) {
+void CudaSession::forward(int T, bool all_rows, int l0, int l1) {
   const int64_t D = c_.hidden, M = c_.hc_mult, V = c_.vocab_size;
+  if (l1 < 0) l1 = c_.n_layers;
   prof_.set_active(T);
   prof_.mark("start", stream_);
-  embed_streams(act_, reinterpret_cast<const uint16_t*>(m_.embed.data), d_ids_, T, static_cast<int>(M), D, X_, stream_);
-  onehot_pre(pre0_, T, static_cast<int>(M), stream_);
-  prof_.mark("embed", stream_);
-  const float* pre = pre0_;
+  if (l0 == 0) {
+    embed_streams(act_, reinterpret_cast<const uint16_t*>(m_.embed.data), d_ids_, T, static_cast<int>(M), D, X_, stream_);
+    onehot_pre(pre0_, T, static_cast<int>(M), stream_);
+    prof_.mark("embed", stream_);
+  }
   const bool hc_branch = branches(T) && !hc_off_branch();
-  // the pending expansion of the previous sublayer (spec §3.3.2)
-  const void* pend_y = nullptr;
-  const float *pend_post = nullptr, *pend_comb = nullptr;
-  for (int l = 0; l < c_.n_layers; ++l) {
+  // the collapse weights and the pending expansion of the previous sublayer (spec
+  // §3.3.2); after a layer they are the FFN site's (pf_, y_, qf_, Cf_)
+  const float* pre = l0 == 0 ? pre0_ : pf_;
+  const void* pend_y = l0 == 0 ? nullptr : y_;
+  const float *pend_post = l0 == 0 ? nullptr : qf_, *pend_comb = l0 == 0 ? nullptr : Cf_;
+  for (int l = l0; l < l1; ++l) {
     const DevLayer& L = m_.layers[static_cast<size_t>(l)];
     // §3.2 Engram before the layer's mixing
     if (L.has_engram) {
@@ -871,6 +901,13 @@ void CudaSession::forward(int T, bool all_rows) {
     moe(l, T);  // writes y_
     pend_y = y_, pend_post = qf_, pend_comb = Cf_;
     pre = pf_;
+  }
+  if (l1 < c_.n_layers) {  // (a part of the step: the side stream joins before it ends)
+    if (hc_pending_) {
+      DSX_CUDA_CHECK(cudaStreamWaitEvent(stream_, ev_hc_join_, 0));
+      hc_pending_ = false;
+    }
+    return;
   }
   // §3.6 final fold, norm, head
   {
@@ -1075,6 +1112,25 @@ int64_t CudaSession::decode_graph_ctx(int64_t ctx) const {
   return std::min(b, max_ctx_);
 }
 
+// The decode step's layers [l0, l1) (with the embedding / head at the ends) as a graph.
+cudaGraphExec_t CudaSession::capture(int T, int l0, int l1) {
+  cudaGraph_t g = nullptr;
+  DSX_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  try {
+    forward(T, false, l0, l1);
+  } catch (...) {
+    cudaStreamEndCapture(stream_, &g);
+    if (g) cudaGraphDestroy(g);
+    throw;
+  }
+  DSX_CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
+  cudaGraphExec_t e = nullptr;
+  const cudaError_t err = cudaGraphInstantiate(&e, g, 0);
+  cudaGraphDestroy(g);
+  DSX_CUDA_CHECK(err);
+  return e;
+}
+
 void CudaSession::step(const int32_t* ids, int T, bool all_rows) {
   for (int t = 0; t < T; ++t)
     if (ids[t] < 0 || ids[t] >= c_.vocab_size)
@@ -1085,7 +1141,6 @@ void CudaSession::step(const int32_t* ids, int T, bool all_rows) {
   DSX_CUDA_CHECK(cudaStreamSynchronize(stream_));
   std::memcpy(h_ids_.data(), ids, static_cast<size_t>(T) * 4);
   DSX_CUDA_CHECK(cudaMemcpyAsync(d_ids_, h_ids_.data(), static_cast<size_t>(T) * 4, cudaMemcpyHostToDevice, stream_));
-  stage_engram(ids, T);
   if (T == 1 && !all_rows) {
     // Decode: the first steps run eagerly (kernels set their launch attributes), then
     // the step is captured as a CUDA graph and replayed, per context bound (ctx_bound_).
@@ -1095,21 +1150,16 @@ void CudaSession::step(const int32_t* ids, int T, bool all_rows) {
     if (graph_ && (pos_ + 1 > graph_ctx_ || want * 4 <= graph_ctx_)) {
       DSX_CUDA_CHECK(cudaGraphExecDestroy(graph_));
       graph_ = nullptr;
+      if (graph_a_) DSX_CUDA_CHECK(cudaGraphExecDestroy(graph_a_));
+      graph_a_ = nullptr;
     }
     if (!graph_ && decode_steps_ >= 1 && !prof_.on() && warm_ctx_ == want) {
       graph_ctx_ = ctx_bound_ = want;
-      cudaGraph_t g = nullptr;
-      DSX_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-      try {
-        forward(1, false);
-      } catch (...) {
-        cudaStreamEndCapture(stream_, &g);
-        if (g) cudaGraphDestroy(g);
-        throw;
-      }
-      DSX_CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
-      DSX_CUDA_CHECK(cudaGraphInstantiate(&graph_, g, 0));
-      DSX_CUDA_CHECK(cudaGraphDestroy(g));
+      const int split = split_layer_ < c_.n_layers ? split_layer_ : 0;
+      if (graph_a_) DSX_CUDA_CHECK(cudaGraphExecDestroy(graph_a_));  // (left by a failed capture)
+      graph_a_ = nullptr;
+      if (split > 0) graph_a_ = capture(1, 0, split);
+      graph_ = capture(1, split, c_.n_layers);
     }
     if (graph_) {
       if (graph_timing_ && !gt0_) {
@@ -1117,14 +1167,25 @@ void CudaSession::step(const int32_t* ids, int T, bool all_rows) {
         DSX_CUDA_CHECK(cudaEventCreate(&gt1_));
       }
       if (graph_timing_) DSX_CUDA_CHECK(cudaEventRecord(gt0_, stream_));
+      if (graph_a_) {
+        // the layers before the first Engram layer run while the host gathers its rows
+        DSX_CUDA_CHECK(cudaGraphLaunch(graph_a_, stream_));
+        stage_engram(ids, T, copy_stream_);
+        DSX_CUDA_CHECK(cudaEventRecord(ev_engram_, copy_stream_));
+        DSX_CUDA_CHECK(cudaStreamWaitEvent(stream_, ev_engram_, 0));
+      } else {
+        stage_engram(ids, T, stream_);
+      }
       DSX_CUDA_CHECK(cudaGraphLaunch(graph_, stream_));
       if (graph_timing_) DSX_CUDA_CHECK(cudaEventRecord(gt1_, stream_));
     } else {
+      stage_engram(ids, T, stream_);
       ctx_bound_ = warm_ctx_ = want;
       forward(1, false);
     }
     ++decode_steps_;
   } else {
+    stage_engram(ids, T, stream_);
     ctx_bound_ = pos_ + T;
     forward(T, all_rows);
   }

@@ -9,7 +9,10 @@
 
 namespace dsx::cuda {
 
-// out[r] = argmax of x[r * ld .. r * ld + n) for r < rows (device pointers).
+// out[r] = argmax of x[r * ld .. r * ld + n) for r < rows (device pointers). One long
+// 16-byte aligned row is split over many blocks whose candidates the last block combines;
+// that path keeps a small workspace per output pointer (allocated on its first call
+// outside a stream capture), so calls for one output must be ordered (one stream).
 void argmax_rows(const float* x, int64_t ld, int rows, int64_t n, int32_t* out, cudaStream_t stream);
 
 }  // namespace dsx::cuda
