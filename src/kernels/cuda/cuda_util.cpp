@@ -1,6 +1,9 @@
 #include "kernels/cuda/cuda_util.h"
 
 #include <cstdlib>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 namespace dsx::cuda {
 
@@ -17,6 +20,28 @@ bool device_available() {
 int env_int(const char* name, int dflt) {
   const char* v = std::getenv(name);
   return (v && *v) ? std::atoi(v) : dflt;
+}
+
+void* persistent_scratch(const void* owner, int tag, size_t bytes, cudaStream_t stream) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, const void*, int>, void*> pool;
+  int dev = 0;
+  DSX_CUDA_CHECK(cudaGetDevice(&dev));
+  const auto key = std::make_tuple(dev, owner, tag);
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = pool.find(key);
+  if (it != pool.end()) return it->second;
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &st) != cudaSuccess) {
+    (void)cudaGetLastError();  // (not sticky) e.g. the legacy stream while another captures
+    return nullptr;
+  }
+  if (st != cudaStreamCaptureStatusNone) return nullptr;
+  void* p = nullptr;
+  DSX_CUDA_CHECK(cudaMalloc(&p, bytes));
+  DSX_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream));  // ordered before the first kernel
+  pool.emplace(key, p);
+  return p;
 }
 
 void DeviceBuffer::alloc(size_t bytes) {

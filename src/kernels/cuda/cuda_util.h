@@ -28,6 +28,13 @@ bool device_available();
 // dflt when it is unset or empty. Callers read a switch once and cache it.
 int env_int(const char* name, int dflt);
 
+// A zeroed device scratch of `bytes`, one per (device, owner, tag), kept for the life of
+// the process: the state of kernels that leave it as they found it (the ticket counters
+// of "the last block combines" reductions; calls for one owner are ordered on one
+// stream). Allocated and zeroed (ordered on `stream`) on the first call; nullptr when that
+// first call comes while `stream` is being captured (no allocation then).
+void* persistent_scratch(const void* owner, int tag, size_t bytes, cudaStream_t stream);
+
 // Owning device allocation (cudaMalloc), movable.
 class DeviceBuffer {
  public:

@@ -188,7 +188,7 @@ struct MmaParams {
 // QA = false: the activations are staged without QA8 (stage_b_mma<F, HW, false>).
 template <WFormat F, bool HW, int P, int U, bool R = false, bool QA = true>
 __global__ void __launch_bounds__(kThreads, R ? 1 : 2) gemv_mma_kernel(const MmaParams p) {
-  extern __shared__ uint4 smem_mma[];
+  extern __shared__ __align__(128) uint4 smem_mma[];
   __shared__ uint4 s_zero[4];
   uint4* ring = smem_mma + (threadIdx.x >> 5) * (U + 1) * 64;  // R only: this warp's slots
   uint32_t* bs = reinterpret_cast<uint32_t*>(smem_mma + (R ? kWarps * (U + 1) * 64 : 0));

@@ -273,7 +273,7 @@ struct UpMmaParams {
 
 template <int P>
 __global__ void __launch_bounds__(kThreads, 2) moe_up_mma_kernel(const UpMmaParams p) {
-  extern __shared__ uint4 smem_mma[];
+  extern __shared__ __align__(128) uint4 smem_mma[];
   __shared__ uint4 s_zero[4];
   if (threadIdx.x < 4) s_zero[threadIdx.x] = make_uint4(0, 0, 0, 0);
   const uint32_t* bzero = reinterpret_cast<const uint32_t*>(s_zero);
@@ -473,7 +473,7 @@ __device__ __forceinline__ void down_tile_out(const DownMmaParams& p, int t, int
 // The block's shared memory as DownSmem (shared variables of a device function are
 // allocated once per block).
 __device__ __forceinline__ DownSmem down_smem(const DownMmaParams& p) {
-  extern __shared__ uint4 smem_mma[];
+  extern __shared__ __align__(128) uint4 smem_mma[];
   __shared__ uint4 s_zero[4];
   __shared__ float part[kMaxSlots + 2][16];
   __shared__ int order[kMaxSlots];
@@ -604,7 +604,7 @@ __device__ __forceinline__ bool last_warp_in(unsigned* cnt, unsigned n, int lane
 // scales | MXFP4 B | scales | partial sums per unit | arrival counter per unit].
 template <int U>
 __global__ void __launch_bounds__(kThreads, 2) moe_up_ring_t1_kernel(const UpMmaParams p) {
-  extern __shared__ uint4 smem_mma[];
+  extern __shared__ __align__(128) uint4 smem_mma[];
   __shared__ uint4 s_zero[4];
   __shared__ const uint8_t* tab[kMaxSlots][4];
   __shared__ float twt[kMaxSlots];
@@ -730,7 +730,7 @@ constexpr int kDownRingThreads = kDownRingWarps * 32;
 
 template <int U>
 __global__ void __launch_bounds__(kDownRingThreads, 1) moe_down_ring_t1_kernel(const DownMmaParams p) {
-  extern __shared__ uint4 smem_mma[];
+  extern __shared__ __align__(128) uint4 smem_mma[];
   __shared__ uint4 s_zero[4];
   __shared__ int order[kMaxSlots];
   if (threadIdx.x < 4) s_zero[threadIdx.x] = make_uint4(0, 0, 0, 0);

@@ -1,9 +1,5 @@
 #include "kernels/cuda/router.h"
 
-#include <map>
-#include <mutex>
-#include <utility>
-
 #include "kernels/cuda/gemv.h"
 #include "kernels/cuda/gemv_device.cuh"
 #include "kernels/cuda/gemv_launch.h"
@@ -417,25 +413,7 @@ bool router_fused_enabled() {
 // and the stream is being captured (the allocation would break the capture): that call
 // takes the two-launch path.
 unsigned* fused_counter(const float* logits, cudaStream_t stream) {
-  static std::mutex mu;
-  static std::map<std::pair<int, const void*>, unsigned*> pool;
-  int dev = 0;
-  DSX_CUDA_CHECK(cudaGetDevice(&dev));
-  const std::pair<int, const void*> key{dev, logits};
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = pool.find(key);
-  if (it != pool.end()) return it->second;
-  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &st) != cudaSuccess) {
-    (void)cudaGetLastError();  // (not sticky) e.g. the legacy stream while another captures
-    return nullptr;
-  }
-  if (st != cudaStreamCaptureStatusNone) return nullptr;
-  unsigned* c = nullptr;
-  DSX_CUDA_CHECK(cudaMalloc(&c, sizeof(unsigned)));
-  DSX_CUDA_CHECK(cudaMemsetAsync(c, 0, sizeof(unsigned), stream));  // ordered before the kernel
-  pool.emplace(key, c);
-  return c;
+  return static_cast<unsigned*>(persistent_scratch(logits, 0, sizeof(unsigned), stream));
 }
 
 }  // namespace
