@@ -275,6 +275,22 @@ TEST(CudaMoe, DecodeWithoutSharedAndQBlock128) {
   for (DType mode : {DType::F32, DType::BF16}) check_decode(*b, 2, 4, mode, rng);
 }
 
+// One token with D % 128 == 0: on the H200 the up projection runs on wgmma (groups of 64
+// rows of I, whole MXFP4 spans; DSX_MOE_WGMMA=0 keeps mma.sync): a partial last group
+// (I = 96), 32- and 128-row FP8 tiles for the shared expert, and no shared expert.
+TEST(CudaMoe, DecodeOneTokenWgmmaShapes) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(35);
+  auto a = make_moe(8, 512, 96, true, 32, 32, false, rng);
+  auto b = make_moe(8, 1024, 192, true, 32, 128, false, rng);
+  auto c = make_moe(6, 2048, 128, false, 32, 32, false, rng);
+  for (DType mode : {DType::F32, DType::BF16}) {
+    for (int k : {1, 6}) check_decode(*a, 1, k, mode, rng);
+    check_decode(*b, 1, 6, mode, rng);
+    check_decode(*c, 1, 4, mode, rng);
+  }
+}
+
 TEST(CudaMoe, PrefillMatchesDecode) {
   SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(34);
