@@ -23,9 +23,6 @@ log "## GPU kernel tests"
 "$build/dsx_tests" --gtest_filter='*Cuda*' >"$out/gpu_tests.log" 2>&1
 log "exit $? ; $(grep -E '^\[  (PASSED|FAILED)  \]' "$out/gpu_tests.log" | tr '\n' ' ')"
 grep -E '^\[  FAILED  \]' "$out/gpu_tests.log" | head -40 | tee -a "$summary"
-log "## MoE tests with the mma.sync one-token up kernel (DSX_MOE_WGMMA=0)"
-DSX_MOE_WGMMA=0 "$build/dsx_tests" --gtest_filter='*CudaMoe*' >"$out/gpu_tests_moe_mma.log" 2>&1
-log "exit $? ; $(grep -E '^\[  (PASSED|FAILED)  \]' "$out/gpu_tests_moe_mma.log" | tr '\n' ' ')"
 
 if [ -x "$build/bench_cuda_kernels" ]; then
   log "## kernel micro-benchmark"

@@ -352,18 +352,6 @@ bool moe_mma_enabled() {
   static const bool v = env_int("DSX_MOE_MMA", 1) != 0;
   return v;
 }
-bool moe_wgmma_enabled() {
-  // the kernels are built for sm_90a (CMAKE_CUDA_ARCHITECTURES 90a); other devices keep mma.sync
-  static const bool v = [] {
-    if (env_int("DSX_MOE_WGMMA", 1) == 0) return false;
-    int dev = 0, major = 0, minor = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) return false;
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
-    return major == 9 && minor == 0;
-  }();
-  return v;
-}
 int gemv_mma_ks() {
   static const int v = env_int("DSX_MMA_KS", 0);  // 0: chosen per shape
   return v;

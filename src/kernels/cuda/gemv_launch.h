@@ -87,7 +87,6 @@ int gemv_mma_mode();
 bool gemv_mma_hwcvt();
 bool pdl_enabled();
 bool moe_mma_enabled();  // DSX_MOE_MMA = 0: the MoE decode keeps the CUDA-core kernels
-bool moe_wgmma_enabled();  // DSX_MOE_WGMMA = 0: the one-token MoE up kernel on mma.sync instead of wgmma (sm_90)
 int gemv_mma_ring();   // DSX_MMA_RING: spans in flight per warp in the shared ring (0: register ring)
 int gemv_mma_depth();  // DSX_MMA_U: spans in flight per lane (4 or 8; 0 = per shape, default)
 int gemv_mma_ks();     // DSX_MMA_KS: warps splitting K (1/2/4/8; 0 = per shape, default)

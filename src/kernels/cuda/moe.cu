@@ -11,7 +11,6 @@
 #include "kernels/cuda/gemv_ring_device.cuh"
 #include "kernels/cuda/gemv_launch.h"
 #include "kernels/cuda/moe_device.cuh"
-#include "kernels/cuda/moe_wgmma_device.cuh"
 #include "util/error.h"
 
 namespace dsx::cuda {
@@ -270,8 +269,6 @@ struct UpMmaParams {
   int NTI, NB;
   int n_sblocks;
   int max_units;  // one-token ring kernel: most units a block walks (sizes its partial sums)
-  int pdl_at8;    // wgmma kernel: where in its last unit a block triggers the dependent launch (eighths)
-  int wg_alias;   // wgmma kernel: one unit per block, the FP8 and MXFP4 B layouts share memory
 };
 
 template <int P>
@@ -577,21 +574,6 @@ struct SpanStream {
     });
     dev::mma_acc_finish<F, 1>(acc);
   }
-  // The same walk with a warpgroup consumer (moe_wgmma_device.cuh), set up for piece q.
-  // trig: the span at which to trigger the dependent launch (-1: none; >= s_hi: after).
-  template <typename Cons>
-  __device__ void consume_piece_wg(const Piece& q, const Cons& cons, float (&acc)[2], int trig) {
-#pragma unroll 2
-    for (int s = q.s_lo; s < q.s_hi; ++s) {
-      if (s == trig) dev::pdl_launch_dependents();
-      dev::cp_async_wait<U - 1>();
-      cons.span(ring + slot_out * 64, s, acc, lane);
-      issue_one();
-      slot_out = slot_out == U ? 0 : slot_out + 1;
-    }
-    if (trig >= q.s_hi) dev::pdl_launch_dependents();
-    Cons::finish(acc);
-  }
   __device__ void finish() { dev::cp_async_wait<0>(); }
 };
 template <int U, typename PieceAt>
@@ -730,115 +712,6 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_ring_t1_kernel(const UpMma
           us += ru[(4 + qq) * 16 + rl];
         }
         p.h[static_cast<int64_t>(j) * p.I + row] = dev::swiglu_h(gs, us, shared ? 1.0f : twt[j], p.lim, p.bf16);
-      }
-    }
-  }
-  st.finish();
-}
-
-// Up projection of one token on the FP8 wgmma tensor cores (sm_90a; moe_wgmma_device.cuh):
-// a unit is a group of 64 rows of I (shared-expert groups first, then (slot, group) of
-// the routed experts); warpgroup m of a block streams matrix m (0: w1, 1: w3), its warp r
-// the 16 rows 64 group + 16 r over all of D, in lockstep with the other 3 (every wgmma
-// step is warpgroup-wide). The block stages QA8(x) once in the B layout of each format it
-// meets; the last warp of a unit to finish adds nothing (each warp holds whole sums) but
-// applies SwiGLU and the routing weight to the unit's 64 rows. Shared memory: [rings |
-// FP8 B (2 lbo8) | MXFP4 B (2 lbo4) | sa8 | sa4 | partial sums per unit | counters].
-template <int U>
-__global__ void __launch_bounds__(kThreads, 2) moe_up_wg_t1_kernel(const UpMmaParams p) {
-  extern __shared__ __align__(128) uint4 smem_mma[];
-  __shared__ const uint8_t* tab[kMaxSlots][4];
-  __shared__ float twt[kMaxSlots];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  uint4* ring = smem_mma + warp * (U + 1) * 64;
-  uint8_t* b8 = reinterpret_cast<uint8_t*>(smem_mma + kWarps * (U + 1) * 64);
-  uint8_t* b4 = p.wg_alias ? b8 : b8 + 2 * dev::wg_lbo8(p.NB);
-  float* sa8 = reinterpret_cast<float*>(p.wg_alias ? b8 + 2 * std::max(dev::wg_lbo8(p.NB), dev::wg_lbo4(p.NB))
-                                                   : b4 + 2 * dev::wg_lbo4(p.NB));
-  float* sa4 = sa8 + p.NB;
-  float* red = sa4 + p.NB;  // [unit][8 warps][16 rows]
-  unsigned* ucnt = reinterpret_cast<unsigned*>(red + p.max_units * kWarps * 16);
-  const int m = warp >> 2, r = warp & 3;  // matrix (0: w1, 1: w3), tile of the group
-  const int g = lane >> 2;
-  const int NG = (p.I + 63) / 64;  // groups of 64 rows
-  const int n_sh = p.n_sblocks;    // shared-expert groups (0 without one)
-  const int n_units = n_sh + p.topk * NG;
-  const int my_units = (n_units - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) /
-                       static_cast<int>(gridDim.x);
-  auto unit_at = [&](int li) { return static_cast<int>(blockIdx.x) + li * static_cast<int>(gridDim.x); };
-  const bool any_sh = my_units > 0 && unit_at(0) < n_sh;
-  const bool any_rt = my_units > 0 && unit_at(my_units - 1) >= n_sh;
-  const int nsp = p.NB / 2;  // 64-byte spans of an FP8 row; MXFP4 rows have NB / 4
-  // (see moe_up_ring_t1_kernel: start() must not reach the second piece before tab is set)
-  const bool early = any_sh && nsp > U;
-  auto piece_at = [&](int li) {
-    const int unit = unit_at(li);
-    Piece q;
-    q.row_last = p.I - 1;
-    if (unit < n_sh) {
-      q.v = m == 0 ? p.sw1 : p.sw3;
-      q.row0 = static_cast<int64_t>(unit) * 64 + 16 * r;
-      q.fp4 = false;
-    } else {
-      const int u = unit - n_sh, j = u / NG;
-      q.v.w = tab[j][2 * m];
-      q.v.s = tab[j][2 * m + 1];
-      q.v.row_bytes = p.D / 2;
-      q.v.sc_cols = p.D / 32;
-      q.row0 = static_cast<int64_t>(u % NG) * 64 + 16 * r;
-      q.fp4 = true;
-    }
-    q.s_lo = 0;
-    q.s_hi = static_cast<int>(q.v.row_bytes / 64);
-    return q;
-  };
-  auto st = make_stream<U>(ring, lane, p.NB, my_units, piece_at);
-  if (early) st.start();
-  dev::pdl_wait();  // ids / wts / x come from the previous kernels
-  if (threadIdx.x < p.topk) {
-    const int e = p.ids[threadIdx.x];
-    tab[threadIdx.x][0] = p.w1[e];
-    tab[threadIdx.x][1] = p.w1s[e];
-    tab[threadIdx.x][2] = p.w3[e];
-    tab[threadIdx.x][3] = p.w3s[e];
-    twt[threadIdx.x] = p.wts[threadIdx.x];
-  }
-  __syncthreads();
-  if (!early) st.start();
-  for (int i = threadIdx.x; i < p.max_units; i += blockDim.x) ucnt[i] = 0;
-  dev::stage_b_wg(p.x, p.xt, p.NB, sa8, sa4, any_sh ? b8 : nullptr, any_rt ? b4 : nullptr);
-  __syncthreads();
-  for (int li = 0; li < my_units; ++li) {
-    const Piece q = piece_at(li);
-    // the last unit triggers the down kernel's launch at pdl_at8 / 8 of its spans
-    const int trig = li == my_units - 1 ? q.s_lo + (q.s_hi - q.s_lo) * p.pdl_at8 / 8 : -1;
-    float a[2] = {0.f, 0.f};
-    if (!q.fp4) {
-      dev::Fp8WgCons cons;
-      cons.set(q.v, q.row0, q.row_last, sa8, b8, p.NB, lane);
-      st.consume_piece_wg(q, cons, a, trig);
-    } else {
-      dev::Fp4WgCons cons;
-      cons.set(q.v, q.row0, q.row_last, sa4, b4, p.NB, lane);
-      st.consume_piece_wg(q, cons, a, trig);
-    }
-    float* ru = red + li * (kWarps * 16);
-    if ((lane & 3) == 0) {
-      ru[warp * 16 + g] = a[0];
-      ru[warp * 16 + g + 8] = a[1];
-    }
-    if (last_warp_in(ucnt + li, kWarps, lane)) {
-      const int unit = unit_at(li);
-      const bool shared = unit < n_sh;
-      const int j = shared ? p.topk : (unit - n_sh) / NG;
-      const int grp = shared ? unit : (unit - n_sh) % NG;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int rr = lane + 32 * h, row = grp * 64 + rr;
-        if (row < p.I) {
-          const float gs = ru[rr], us = ru[4 * 16 + rr];  // warps r and 4 + r, rows rr % 16
-          p.h[static_cast<int64_t>(j) * p.I + row] = dev::swiglu_h(gs, us, shared ? 1.0f : twt[j], p.lim, p.bf16);
-        }
       }
     }
   }
@@ -1028,37 +901,6 @@ void check_layer(const MoeLayer& m, int topk) {
 // Partial sums and arrival counters of the up kernel for max_units units per block.
 size_t up_red_bytes(int max_units) { return static_cast<size_t>(max_units) * (kWarps * 16 * 4 + 4); }
 
-// The wgmma up kernel with UW spans in flight per warp; false when it does not fit. When
-// every block gets one unit, a block meets one format only and the two B layouts share
-// their shared memory (wg_alias).
-template <int UW>
-bool launch_up_wg(const UpMmaParams& up, int NB, cudaStream_t stream) {
-  auto kup = moe_up_wg_t1_kernel<UW>;
-  UpMmaParams up1 = up;
-  static const int pdl_at8 = env_int("DSX_MOE_WG_PDL", 4);
-  up1.pdl_at8 = pdl_at8;
-  const int NG = (up.I + 63) / 64;
-  up1.n_sblocks = up.n_sblocks > 0 ? NG : 0;
-  const int64_t n_up = up1.n_sblocks + static_cast<int64_t>(up.topk) * NG;
-  const size_t b8 = 2 * static_cast<size_t>(dev::wg_lbo8(NB)), b4 = 2 * static_cast<size_t>(dev::wg_lbo4(NB));
-  for (int alias = 1; alias >= 0; --alias) {
-    const size_t base = ring_bytes<UW>(kWarps) + (alias ? std::max(b8, b4) : b8 + b4) + static_cast<size_t>(NB) * 8;
-    if (base > detail::max_dynamic_smem(kup)) continue;
-    for (int occ = detail::occupancy(kup, kThreads, base); occ >= 1; --occ) {
-      const int64_t grid = std::min<int64_t>(n_up, static_cast<int64_t>(occ) * sm_count());
-      up1.max_units = static_cast<int>((n_up + grid - 1) / grid);
-      if (alias && up1.max_units > 1) break;
-      up1.wg_alias = alias;
-      const size_t smem1 = base + up_red_bytes(up1.max_units);
-      if (smem1 <= detail::max_dynamic_smem(kup) && detail::occupancy(kup, kThreads, smem1) >= occ) {
-        detail::launch_pdl(kup, dim3(static_cast<unsigned>(grid)), dim3(kThreads), smem1, stream, up1);
-        return true;
-      }
-    }
-  }
-  return false;
-}
-
 // The one-token ring kernels with U spans in flight per warp; false when they do not fit.
 template <int U>
 bool launch_ring_t1(const UpMmaParams& up, const DownMmaParams& dn, int64_t n_up, int NB, int NTD, size_t smem_dn,
@@ -1074,19 +916,12 @@ bool launch_ring_t1(const UpMmaParams& up, const DownMmaParams& dn, int64_t n_up
   const size_t smemd = ring_bytes<U>(kDownRingWarps) + smem_dn + 16 +
                        static_cast<size_t>(dn1.max_tiles) * (static_cast<size_t>(pieces) * 64 + 4);
   if (smemd > detail::max_dynamic_smem(kdn) || detail::occupancy(kdn, kDownRingThreads, smemd) < 1) return false;
-  // up: on sm_90a with whole MXFP4 spans (D % 128 == 0) the wgmma kernel (units of 64
-  // rows), else resident blocks with room for the partial sums of their units
-  bool launched = false;
-  if (moe_wgmma_enabled() && NB % 4 == 0) {
-    static const int uw = env_int("DSX_MOE_WG_RING", 8);
-    launched = uw <= 4 ? launch_up_wg<4>(up, NB, stream) : uw <= 6 ? launch_up_wg<6>(up, NB, stream)
-                                                                  : launch_up_wg<8>(up, NB, stream);
-    if (!launched) return false;
-  }
+  // up: resident blocks with room for the partial sums of their units
   const size_t base = ring_bytes<U>(kWarps) + stage;
-  if (!launched && base > detail::max_dynamic_smem(kup)) return false;
+  if (base > detail::max_dynamic_smem(kup)) return false;
   UpMmaParams up1 = up;
-  for (int occ = launched ? 0 : detail::occupancy(kup, kThreads, base); occ >= 1 && !launched; --occ) {
+  bool launched = false;
+  for (int occ = detail::occupancy(kup, kThreads, base); occ >= 1 && !launched; --occ) {
     const int64_t grid = std::min<int64_t>(n_up, static_cast<int64_t>(occ) * sm_count());
     up1.max_units = static_cast<int>((n_up + grid - 1) / grid);
     const size_t smem1 = base + up_red_bytes(up1.max_units);
