@@ -275,8 +275,8 @@ TEST(CudaMoe, DecodeWithoutSharedAndQBlock128) {
   for (DType mode : {DType::F32, DType::BF16}) check_decode(*b, 2, 4, mode, rng);
 }
 
-// One token (the one-token ring kernels): a partial last 64-row group of I (I = 96), 32-
-// and 128-row FP8 tiles for the shared expert, and no shared expert.
+// One token (the one-token ring kernels) at small shapes with D >= 512 (I = 96, 192, 128):
+// 32- and 128-row FP8 tiles for the shared expert, and no shared expert.
 TEST(CudaMoe, DecodeOneTokenShapes) {
   SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(35);
