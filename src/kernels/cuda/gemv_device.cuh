@@ -841,4 +841,43 @@ __device__ __forceinline__ void stage_b_mma(uint32_t* bs, float* sas, int tstrid
   }
 }
 
+// One 32-element QA8 block held one element per lane (element = lane, all 32 lanes of
+// the warp): the codes, scale and B order that stage_b_mma<F, F == FP8_BLOCK> writes for
+// it (the same amax, scale and e4m3 rounding, element by element), written to global
+// memory by a producer so that its consumer copies them instead of staging (the MoE down
+// projection's h). bs: the block's 16 words; *sas = scale * prescale (lane 0); fq (if
+// not null): this lane's fake-quantized value (stage_b_mma's fq).
+template <WFormat F>
+__device__ __forceinline__ void stage_block_lanes(float v, int lane, uint32_t* bs, float* sas, float prescale,
+                                                  float* fq) {
+  float m = fmaxf(0.f, fabsf(v));
+#pragma unroll
+  for (int off = 16; off >= 1; off >>= 1) m = fmaxf(m, __shfl_xor_sync(kFull, m, off));
+  const float sc = qa8_scale(m);
+  const uint16_t code = static_cast<uint16_t>(e4m3_pair_f16(v * pow2_recip(sc), 0.f));
+  const int sub = lane >> 3, e = lane & 7;
+  const int word = F == WFormat::MXFP4 ? (e & 3) : (e >> 1), half = F == WFormat::MXFP4 ? (e >> 2) : (e & 1);
+  reinterpret_cast<uint16_t*>(bs + sub * 4 + word)[half] = code;
+  if (lane == 0) *sas = sc * prescale;
+  if (fq) *fq = __half2float(__ushort_as_half(code)) * sc;
+}
+
+// Copy `words` 32-bit words (a multiple of 4; both 16-byte aligned) from global memory
+// written by the previous grid to shared memory, all of a thread's loads (up to 8 per
+// pass, bypassing L1) issued before its stores. All threads of the block.
+__device__ __forceinline__ void copy_to_smem(uint32_t* dst, const uint32_t* src, int64_t words) {
+  uint4* d = reinterpret_cast<uint4*>(dst);
+  const uint4* s = reinterpret_cast<const uint4*>(src);
+  const int n16 = static_cast<int>(words / 4), bd = static_cast<int>(blockDim.x);
+  for (int i0 = static_cast<int>(threadIdx.x); i0 < n16; i0 += 8 * bd) {
+    uint4 r[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u)
+      if (i0 + u * bd < n16) r[u] = __ldcg(s + i0 + u * bd);
+#pragma unroll
+    for (int u = 0; u < 8; ++u)
+      if (i0 + u * bd < n16) d[i0 + u * bd] = r[u];
+  }
+}
+
 }  // namespace dsx::cuda::dev

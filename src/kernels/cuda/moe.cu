@@ -269,6 +269,10 @@ struct UpMmaParams {
   int NTI, NB;
   int n_sblocks;
   int max_units;  // one-token ring kernel: most units a block walks (sizes its partial sums)
+  // one-token ring kernel: QA8(h) in the down kernel's staged layout (DownStage) and as
+  // fake-quantized values ([S][I])
+  uint32_t* hst;
+  float* hq;
 };
 
 template <int P>
@@ -380,6 +384,7 @@ struct DownMmaParams {
   int yt;
   int64_t ldy;
   int max_tiles;  // one-token ring kernel: most tiles a block walks (sizes its partial sums)
+  const uint32_t* hst;  // one-token ring kernel: QA8(h) staged by the up kernel (DownStage)
 };
 
 // Shared memory of a down block: QA8(h) of the token's routed slots (MXFP4 B order)
@@ -596,6 +601,21 @@ __device__ __forceinline__ bool last_warp_in(unsigned* cnt, unsigned n, int lane
   return true;
 }
 
+// The one-token down kernel's staged activations (in 32-bit words): QA8(h) of the routed
+// slots in the MXFP4 B order ([topk][NBI][16], stage_b_mma's layout) and their scales
+// ([topk][NBI]), then, at a 16-byte boundary, the shared expert's in the FP8 B order
+// ([NBI][16]) and scales ([NBI]). The up kernel writes it to global memory, the down
+// kernel's blocks copy it into shared memory as is.
+struct DownStage {
+  int64_t sas_r, bs_s, sas_s, words;
+  __host__ __device__ DownStage(int topk, int NBI) {
+    sas_r = static_cast<int64_t>(topk) * NBI * 16;
+    bs_s = (static_cast<int64_t>(topk) * NBI * 17 + 3) & ~int64_t{3};
+    sas_s = bs_s + static_cast<int64_t>(NBI) * 16;
+    words = (sas_s + NBI + 3) & ~int64_t{3};
+  }
+};
+
 // Up projection of one token: a persistent grid (resident blocks) walks the units
 // (shared-expert tiles first, then (slot, tile) of the routed experts) in strides of
 // the grid; a block stages the activation (QA8, in the B order of each format it meets)
@@ -620,10 +640,12 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_ring_t1_kernel(const UpMma
   unsigned* ucnt = reinterpret_cast<unsigned*>(red + p.max_units * kWarps * 16);
   const int m = warp >> 2, kq = warp & 3;  // matrix (0: w1, 1: w3), quarter of D
   const int g = lane >> 2;
-  const int n_units = p.n_sblocks + p.topk * p.NTI;
-  const int my_units = (n_units - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) /
-                       static_cast<int>(gridDim.x);
-  auto unit_at = [&](int li) { return static_cast<int>(blockIdx.x) + li * static_cast<int>(gridDim.x); };
+  // Units go to the blocks in pairs (tiles 2k and 2k + 1 of one matrix: the rows of one
+  // QA8 block of h): block b walks pairs b, b + grid, ... (NTI and n_sblocks are even).
+  const int n_pairs = (p.n_sblocks + p.topk * p.NTI) / 2;
+  const int my_units = 2 * ((n_pairs - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) /
+                            static_cast<int>(gridDim.x));
+  auto unit_at = [&](int li) { return 2 * (static_cast<int>(blockIdx.x) + (li >> 1) * static_cast<int>(gridDim.x)) + (li & 1); };
   // which formats this block meets (its shared-expert tiles come first)
   const bool any_sh = my_units > 0 && unit_at(0) < p.n_sblocks;
   const bool any_rt = my_units > 0 && unit_at(my_units - 1) >= p.n_sblocks;
@@ -689,30 +711,41 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_ring_t1_kernel(const UpMma
     else
       st.template consume_piece<WFormat::MXFP4>(q, a, bs4, sas4, s_zero);
     // No barrier per unit: each warp leaves its 16 sums in the unit's own red slot and
-    // counts itself in; the block's last warp adds the 8 in a fixed order and writes h,
-    // while the others already stream their next unit (a per-unit barrier was ~12 % of
-    // the warps' stall cycles in ncu).
+    // counts itself in (second units of a pair only); the block's last warp on the
+    // pair's second unit adds the 8 sums of both units in a fixed order, applies SwiGLU
+    // and the routing weight and writes QA8 of the pair's 32 values (one QA8 block of h)
+    // in the down kernel's staged layout, while the others already stream their next
+    // unit (a per-unit barrier was ~12 % of the warps' stall cycles in ncu). Every warp
+    // finished the first unit before it counted itself in on the second.
     float* ru = red + li * (kWarps * 16);
     if ((lane & 3) == 0) {  // token 0: lanes c == 0 hold it
       ru[warp * 16 + g] = a[0][0];
       ru[warp * 16 + g + 8] = a[0][1];
     }
-    if (last_warp_in(ucnt + li, kWarps, lane) && lane < 16) {
-      const int unit = unit_at(li);
+    if ((li & 1) && last_warp_in(ucnt + li, kWarps, lane)) {
+      const int unit = unit_at(li - 1);  // the pair's first (even) tile
       const bool shared = unit < p.n_sblocks;
       const int j = shared ? p.topk : (unit - p.n_sblocks) / p.NTI;
-      const int tile = shared ? unit : (unit - p.n_sblocks) % p.NTI;
-      const int rl = lane;
-      const int row = tile * 16 + rl;
-      if (row < p.I) {
-        float gs = 0.f, us = 0.f;
+      const int kb = (shared ? unit : (unit - p.n_sblocks) % p.NTI) >> 1;  // QA8 block of h
+      const float* rs = ru - (lane < 16 ? kWarps * 16 : 0);  // element lane: row lane & 15 of tile lane / 16
+      const int rl = lane & 15;
+      float gs = 0.f, us = 0.f;
 #pragma unroll
-        for (int qq = 0; qq < 4; ++qq) {
-          gs += ru[qq * 16 + rl];
-          us += ru[(4 + qq) * 16 + rl];
-        }
-        p.h[static_cast<int64_t>(j) * p.I + row] = dev::swiglu_h(gs, us, shared ? 1.0f : twt[j], p.lim, p.bf16);
+      for (int qq = 0; qq < 4; ++qq) {
+        gs += rs[qq * 16 + rl];
+        us += rs[(4 + qq) * 16 + rl];
       }
+      const float hv = dev::swiglu_h(gs, us, shared ? 1.0f : twt[j], p.lim, p.bf16);
+      const DownStage ds(p.topk, p.I / 32);
+      float* fq = p.hq + static_cast<int64_t>(j) * p.I + kb * 32 + lane;
+      if (shared)
+        dev::stage_block_lanes<WFormat::FP8_BLOCK>(hv, lane, p.hst + ds.bs_s + kb * 16,
+                                                   reinterpret_cast<float*>(p.hst + ds.sas_s) + kb,
+                                                   dev::fp8_mma_prescale<true>(), fq);
+      else
+        dev::stage_block_lanes<WFormat::MXFP4>(hv, lane, p.hst + (static_cast<int64_t>(j) * (p.I / 32) + kb) * 16,
+                                               reinterpret_cast<float*>(p.hst + ds.sas_r) + j * (p.I / 32) + kb,
+                                               dev::kMx4MmaPrescale, fq);
     }
   }
   st.finish();
@@ -737,12 +770,14 @@ __global__ void __launch_bounds__(kDownRingThreads, 1) moe_down_ring_t1_kernel(c
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
   uint4* ring = smem_mma + warp * (U + 1) * 64;
-  // QA8(h) in B order (stage_b_mma) of the routed slots (one row per slot) and of the shared expert
+  // QA8(h) in B order of the routed slots (one row per slot) and of the shared expert
+  // (DownStage, written by the up kernel)
   uint32_t* base = reinterpret_cast<uint32_t*>(smem_mma + kDownRingWarps * (U + 1) * 64);
+  const DownStage ds(p.topk, p.NBI);
   uint32_t* bs_r = base;
-  float* sas_r = reinterpret_cast<float*>(base + static_cast<int64_t>(p.topk) * p.NBI * 16);
-  uint32_t* bs_s = base + ((static_cast<int64_t>(p.topk) * p.NBI * 17 + 3) & ~int64_t{3});
-  float* sas_s = reinterpret_cast<float*>(bs_s + static_cast<int64_t>(p.NBI) * 16);
+  float* sas_r = reinterpret_cast<float*>(base + ds.sas_r);
+  uint32_t* bs_s = base + ds.bs_s;
+  float* sas_s = reinterpret_cast<float*>(base + ds.sas_s);
 
   const int items = p.topk + 2 * p.has_shared;
   const int pieces = 2 * items;
@@ -794,16 +829,7 @@ __global__ void __launch_bounds__(kDownRingThreads, 1) moe_down_ring_t1_kernel(c
   down_order(p, 0, order);  // (ids: see above; the order is read after the barrier below)
   dev::pdl_wait();  // h comes from the up kernel
   for (int i = threadIdx.x; i < p.max_tiles; i += blockDim.x) tcnt[i] = 0;
-  {
-    // the last block (one of those with the fewest tiles) also writes QA8(h)
-    float* fq = blockIdx.x == gridDim.x - 1 ? p.hq : nullptr;
-    dev::stage_b_mma<WFormat::MXFP4, false>(bs_r, sas_r, p.NBI, p.topk, p.NBI, p.h, 0, p.I, 0, dev::kMx4MmaPrescale,
-                                            fq, p.I);
-    if (p.has_shared)
-      dev::stage_b_mma<WFormat::FP8_BLOCK, true>(bs_s, sas_s, p.NBI, 1, p.NBI, p.h, 0, p.I,
-                                                 static_cast<int64_t>(p.topk) * p.I, dev::fp8_mma_prescale<true>(),
-                                                 fq ? fq + static_cast<int64_t>(p.topk) * p.I : nullptr, p.I);
-  }
+  dev::copy_to_smem(base, p.hst, ds.words);
   __syncthreads();
   dev::pdl_launch_dependents();
   for (int ti = 0; ti < my_tiles; ++ti) {
@@ -846,7 +872,7 @@ __global__ void __launch_bounds__(kDownRingThreads, 1) moe_down_ring_t1_kernel(c
 }
 
 struct DecodeLayout {
-  size_t hq = 0, part = 0, cnt = 0, h = 0, total = 0;
+  size_t hq = 0, part = 0, cnt = 0, h = 0, hst = 0, total = 0;
 };
 DecodeLayout decode_layout(const MoeLayer& m, int T, int topk) {
   const int S = topk + (m.shared_w1.data ? 1 : 0);
@@ -860,6 +886,8 @@ DecodeLayout decode_layout(const MoeLayer& m, int T, int topk) {
   off = align256(off + static_cast<size_t>(T) * (m.hidden / kDownRPW) * 4);
   L.h = off;
   off = align256(off + static_cast<size_t>(T) * S * m.inter * 4);
+  L.hst = off;  // one token (the ring kernels)
+  off = align256(off + static_cast<size_t>(DownStage(topk, static_cast<int>(m.inter / 32)).words) * 4);
   L.total = off;
   return L;
 }
@@ -921,9 +949,10 @@ bool launch_ring_t1(const UpMmaParams& up, const DownMmaParams& dn, int64_t n_up
   if (base > detail::max_dynamic_smem(kup)) return false;
   UpMmaParams up1 = up;
   bool launched = false;
+  const int64_t n_pairs = n_up / 2;  // the kernel's units go in pairs (whole QA8 blocks of h)
   for (int occ = detail::occupancy(kup, kThreads, base); occ >= 1 && !launched; --occ) {
-    const int64_t grid = std::min<int64_t>(n_up, static_cast<int64_t>(occ) * sm_count());
-    up1.max_units = static_cast<int>((n_up + grid - 1) / grid);
+    const int64_t grid = std::min<int64_t>(n_pairs, static_cast<int64_t>(occ) * sm_count());
+    up1.max_units = static_cast<int>(2 * ((n_pairs + grid - 1) / grid));
     const size_t smem1 = base + up_red_bytes(up1.max_units);
     if (smem1 <= detail::max_dynamic_smem(kup) && detail::occupancy(kup, kThreads, smem1) >= occ) {
       detail::launch_pdl(kup, dim3(static_cast<unsigned>(grid)), dim3(kThreads), smem1, stream, up1);
@@ -975,6 +1004,8 @@ bool moe_decode_mma(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int
   up.NTI = NTI;
   up.NB = NB;
   up.n_sblocks = has_shared ? NTI : 0;
+  up.hst = reinterpret_cast<uint32_t*>(base + L.hst);
+  up.hq = hq;
   const int n_up = up.n_sblocks + T * topk * NTI;
   const size_t tok_bytes = static_cast<size_t>(NB) * (64 + 4);
   const size_t smem_up = static_cast<size_t>(has_shared ? T : 1) * tok_bytes + kWarps * 16 * 8 * 4;
@@ -994,6 +1025,7 @@ bool moe_decode_mma(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int
   dn.ids = ids;
   dn.h = h;
   dn.hq = hq;
+  dn.hst = up.hst;
   dn.NTD = NTD;
   dn.NBI = NBI;
   dn.bf16 = up.bf16;
