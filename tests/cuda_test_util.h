@@ -9,13 +9,18 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <vector>
 
 #include "util/numerics.h"
 
 #ifdef DSX_HAVE_CUDA
+#include <cuda_fp16.h>
+
+#include "kernels/cpu/quant.h"
 #include "kernels/cuda/cuda_util.h"
+#include "kernels/cuda/gemv.h"  // staged_act_words
 #include "kernels/cuda/elementwise_types.h"  // Act
 #include "kernels/qmatrix.h"
 
@@ -148,6 +153,32 @@ std::vector<V> download_vec(const DeviceBuffer& b, size_t n) {
   std::vector<V> v(n);
   if (n) b.download(v.data(), n * sizeof(V));
   return v;
+}
+
+// The one-token staged activations of a row x of K values (GemvOpts::staged, as
+// hc_finish writes them), built from the CPU QA8 codes (32-element blocks) and the
+// documented B orders: the FP8 order (element e of a block's octet o: word 4 o + e / 2,
+// half e % 2; scales times 1), then at staged_act_words(K) the MXFP4 order (word
+// 4 o + e % 4, half e / 4; scales times 2^14). Each word holds two codes as f16.
+inline std::vector<uint32_t> staged_act_ref(const std::vector<float>& x) {
+  const int64_t K = static_cast<int64_t>(x.size()), nb = K / 32, W = dsx::cuda::staged_act_words(K);
+  std::vector<uint8_t> codes(x.size());
+  std::vector<float> qs(static_cast<size_t>(nb));
+  dsx::cpu::qa8_codes(x.data(), K, 32, codes.data(), qs.data());
+  std::vector<uint32_t> r(static_cast<size_t>(2 * W), 0u);
+  for (int64_t k = 0; k < K; ++k) {
+    const int64_t kb = k / 32;
+    const int o = static_cast<int>(k % 32) / 8, e = static_cast<int>(k % 8);
+    const uint32_t h = __half_as_ushort(__float2half_rn(dsx::e4m3_to_f32(codes[static_cast<size_t>(k)])));
+    r[static_cast<size_t>(kb * 16 + 4 * o + e / 2)] |= h << (16 * (e % 2));
+    r[static_cast<size_t>(W + kb * 16 + 4 * o + e % 4)] |= h << (16 * (e / 4));
+  }
+  for (int64_t kb = 0; kb < nb; ++kb) {
+    const float s = qs[static_cast<size_t>(kb)], s4 = s * 16384.0f;
+    std::memcpy(&r[static_cast<size_t>(nb * 16 + kb)], &s, 4);
+    std::memcpy(&r[static_cast<size_t>(W + nb * 16 + kb)], &s4, 4);
+  }
+  return r;
 }
 #endif  // DSX_HAVE_CUDA
 

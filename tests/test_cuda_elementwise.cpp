@@ -441,6 +441,10 @@ TEST(CudaHc, PassAndFinish) {
         fa.norm_out = dnorm.get();
         fa.q_codes = dqc.as<uint8_t>();
         fa.q_scales = dqs.as<float>();
+        const int64_t sw = 2 * cuda::staged_act_words(D);
+        DeviceBuffer dst(static_cast<size_t>(sw) * 4);
+        DSX_CUDA_CHECK(cudaMemset(dst.get(), 0, static_cast<size_t>(sw) * 4));
+        if (T == 1) fa.staged = dst.as<uint32_t>();
         cuda::hc_finish(act, fa, nullptr);
 
         // twin: expand, hc_mix of the new streams, collapse with pre, RMSNorm
@@ -465,6 +469,8 @@ TEST(CudaHc, PassAndFinish) {
         std::vector<float> qs(ng.size() / 32);
         cpu::qa8_codes(ng.data(), static_cast<int64_t>(ng.size()), 32, codes.data(), qs.data());
         EXPECT_EQ(download_vec<uint8_t>(dqc, codes.size()), codes) << "hc norm QA8";
+        if (T == 1)  // the QA8 codes staged for the one-token consumers, in their B orders
+          EXPECT_EQ(download_vec<uint32_t>(dst, static_cast<size_t>(sw)), staged_act_ref(ng)) << "hc norm staged";
 
         // the split passes of the engine (Engram layers, final fold): expand only, then
         // collapse only + norm only, in place, without QA8

@@ -396,38 +396,74 @@ TEST(CudaGemv, EngramShapeOnTheRing) {
 TEST(CudaGemv, InputNormFusedAndFallback) {
   SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(21);
-  const int64_t N = 2048, K = 1280;
-  Weight W = make_weight(WFormat::FP8_BLOCK, N, K, rng, 32);
-  std::uniform_real_distribution<float> wd(0.5f, 1.5f);
-  std::vector<float> nw(K);
-  for (float& v : nw) v = wd(rng);
-  DeviceBuffer dnw(K * 4);
-  DSX_CUDA_CHECK(cudaMemcpy(dnw.get(), nw.data(), K * 4, cudaMemcpyHostToDevice));
-  for (DType mode : {DType::BF16, DType::F32})
-    for (int T : {1, 3}) {
-      SCOPED_TRACE(testing::Message() << "mode " << (mode == DType::BF16 ? "bf16" : "f32") << " T " << T);
-      const bool bf16 = mode == DType::BF16;
-      std::vector<float> x = twin::random_acts(T, K, rng, bf16);
-      DeviceBuffer dx = upload_act(x, mode), dn(static_cast<size_t>(T * K) * cuda::dtype_size(mode));
-      DeviceBuffer dy(static_cast<size_t>(T * N) * cuda::dtype_size(mode));
+  // K = 1280 (wq_b): the norm is computed in the staging pass (x read once); K = 4096:
+  // more octets than threads, the row is read twice (its rms first)
+  for (const int64_t K : {int64_t{1280}, int64_t{4096}}) {
+    SCOPED_TRACE(testing::Message() << "K " << K);
+    const int64_t N = 2048;
+    Weight W = make_weight(WFormat::FP8_BLOCK, N, K, rng, 32);
+    std::uniform_real_distribution<float> wd(0.5f, 1.5f);
+    std::vector<float> nw(K);
+    for (float& v : nw) v = wd(rng);
+    DeviceBuffer dnw(K * 4);
+    DSX_CUDA_CHECK(cudaMemcpy(dnw.get(), nw.data(), K * 4, cudaMemcpyHostToDevice));
+    for (DType mode : {DType::BF16, DType::F32})
+      for (int T : {1, 3}) {
+        SCOPED_TRACE(testing::Message() << "mode " << (mode == DType::BF16 ? "bf16" : "f32") << " T " << T);
+        const bool bf16 = mode == DType::BF16;
+        std::vector<float> x = twin::random_acts(T, K, rng, bf16);
+        DeviceBuffer dx = upload_act(x, mode), dn(static_cast<size_t>(T * K) * cuda::dtype_size(mode));
+        DeviceBuffer dy(static_cast<size_t>(T * N) * cuda::dtype_size(mode));
+        cuda::GemvOpts o;
+        o.norm_w = dnw.as<float>();
+        o.norm_eps = 1e-6f;
+        o.norm_out = dn.get();
+        cuda::gemv(W.d.q, mode, dx.get(), K, T, mode, dy.get(), N, o, nullptr);
+        const std::string path = cuda::gemv_last_path();
+        DSX_CUDA_CHECK(cudaDeviceSynchronize());
+        if (default_gemv_switches() && bf16 && T == 1) EXPECT_EQ(path, "mma-ring");
+        std::vector<float> xn = download_act(dn, static_cast<size_t>(T * K), mode);
+        std::vector<float> want(xn.size());
+        twin::rmsnorm_rows(bf16, x.data(), want.data(), nw.data(), T, static_cast<int>(K), 1e-6f);
+        EXPECT_LE(dsx_test::count_far(xn, want, 0.0, bf16 ? kBf16Ulp : 1e-6, "normalized rows"), 0u);
+        EXPECT_LE(dsx_test::count_bit_diff(xn, want), xn.size() / 200 + 2) << "normalized rows: bit differences";
+        std::vector<float> ref(static_cast<size_t>(T * N)), abs(ref.size());
+        twin::linear(xn.data(), T, K, W.h.q, true, 32, 1, bf16, ref.data(), N, abs.data());
+        expect_close(download_act(dy, ref.size(), mode), ref, abs, kSumTol, bf16 ? kBf16Ulp : 0.0,
+                     "product of the normalized rows (" + path + ")");
+      }
+  }
+}
+
+// The one-token input staged by its producer (GemvOpts::staged, as hc_finish writes it;
+// built here from the CPU QA8 codes, CudaHc.PassAndFinish checks hc_finish against the
+// same reference): the shared-ring FP8 kernel copies it instead of quantizing x, so with
+// x itself zero it gives exactly the product of x; T = 2 ignores it.
+TEST(CudaGemv, StagedActivations) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(22);
+  for (const int64_t N : {int64_t{1280}, int64_t{512}}) {
+    const int64_t K = 5120;
+    Weight W = make_weight(WFormat::FP8_BLOCK, N, K, rng, 128);
+    for (int T : {1, 2}) {
+      SCOPED_TRACE(testing::Message() << "N " << N << " T " << T);
+      std::vector<float> x = twin::random_acts(T, K, rng, true);
+      const std::vector<uint32_t> st = dsx_test::staged_act_ref(std::vector<float>(x.begin(), x.begin() + K));
+      DeviceBuffer dst(st.size() * 4);
+      dst.upload(st.data(), st.size() * 4);
+      DeviceBuffer dx = upload_act(x, DType::BF16), dz = upload_act(std::vector<float>(x.size(), 0.0f), DType::BF16);
+      DeviceBuffer dy(static_cast<size_t>(T * N) * 2), dy2(static_cast<size_t>(T * N) * 2);
       cuda::GemvOpts o;
-      o.norm_w = dnw.as<float>();
-      o.norm_eps = 1e-6f;
-      o.norm_out = dn.get();
-      cuda::gemv(W.d.q, mode, dx.get(), K, T, mode, dy.get(), N, o, nullptr);
-      const std::string path = cuda::gemv_last_path();
+      cuda::gemv(W.d.q, DType::BF16, dx.get(), K, T, DType::BF16, dy.get(), N, o, nullptr);
+      o.staged = dst.as<uint32_t>();
+      cuda::gemv(W.d.q, DType::BF16, T == 1 ? dz.get() : dx.get(), K, T, DType::BF16, dy2.get(), N, o, nullptr);
+      if (default_gemv_switches() && T == 1) EXPECT_STREQ(cuda::gemv_last_path(), "mma-ring");
       DSX_CUDA_CHECK(cudaDeviceSynchronize());
-      if (default_gemv_switches() && bf16 && T == 1) EXPECT_EQ(path, "mma-ring");
-      std::vector<float> xn = download_act(dn, static_cast<size_t>(T * K), mode);
-      std::vector<float> want(xn.size());
-      twin::rmsnorm_rows(bf16, x.data(), want.data(), nw.data(), T, static_cast<int>(K), 1e-6f);
-      EXPECT_LE(dsx_test::count_far(xn, want, 0.0, bf16 ? kBf16Ulp : 1e-6, "normalized rows"), 0u);
-      EXPECT_LE(dsx_test::count_bit_diff(xn, want), xn.size() / 200 + 2) << "normalized rows: bit differences";
-      std::vector<float> ref(static_cast<size_t>(T * N)), abs(ref.size());
-      twin::linear(xn.data(), T, K, W.h.q, true, 32, 1, bf16, ref.data(), N, abs.data());
-      expect_close(download_act(dy, ref.size(), mode), ref, abs, kSumTol, bf16 ? kBf16Ulp : 0.0,
-                   "product of the normalized rows (" + path + ")");
+      EXPECT_EQ(dsx_test::count_bit_diff(download_act(dy2, static_cast<size_t>(T * N), DType::BF16),
+                                         download_act(dy, static_cast<size_t>(T * N), DType::BF16)),
+                0u);
     }
+  }
 }
 
 TEST(CudaGemv, SplitKWorkspace) {

@@ -37,8 +37,10 @@ namespace twin = dsx::cpu::twin;
 
 namespace {
 
+using dsx_test::count_bit_diff;
 using dsx_test::DevMatrix;
 using dsx_test::download_act;
+using dsx_test::staged_act_ref;
 using dsx_test::upload_act;
 using dsx_test::upload_matrix;
 
@@ -192,7 +194,7 @@ struct DecodeResult {
 
 DecodeResult run_decode(const MoeSetup& m, const std::vector<float>& x, int T, int topk, const std::vector<int32_t>& ids,
                         const std::vector<float>& w, DType mode, const int32_t* dev_ids = nullptr,
-                        const float* dev_w = nullptr) {
+                        const float* dev_w = nullptr, const std::vector<uint32_t>* x_staged = nullptr) {
   const int S = topk + (m.layer.shared_w1.data ? 1 : 0);
   DeviceBuffer dx = upload_act(x, mode), dy(static_cast<size_t>(T * m.D) * cuda::dtype_size(mode));
   DeviceBuffer di(ids.size() * 4), dw(w.size() * 4);
@@ -204,7 +206,10 @@ DecodeResult run_decode(const MoeSetup& m, const std::vector<float>& x, int T, i
   }
   const size_t wsb = cuda::moe_decode_ws_bytes(m.layer, T, topk);
   DeviceBuffer ws(wsb);
-  cuda::moe_decode(m.layer, mode, dx.get(), m.D, T, topk, dev_ids, dev_w, mode, dy.get(), m.D, ws.get(), wsb, nullptr);
+  DeviceBuffer dst(x_staged ? x_staged->size() * 4 : 4);
+  if (x_staged) dst.upload(x_staged->data(), x_staged->size() * 4);
+  cuda::moe_decode(m.layer, mode, dx.get(), m.D, T, topk, dev_ids, dev_w, mode, dy.get(), m.D, ws.get(), wsb, nullptr,
+                   x_staged ? dst.as<uint32_t>() : nullptr);
   DSX_CUDA_CHECK(cudaDeviceSynchronize());
   DecodeResult r;
   r.y = download_act(dy, static_cast<size_t>(T * m.D), mode);
@@ -304,6 +309,32 @@ TEST(CudaMoe, DecodeReleaseShapesSeeds) {
     check_decode(*a, 1, 6, mode, rng);
     check_decode(*b, 1, 6, mode, rng);
   }
+}
+
+// x staged by its producer (moe_decode's x_staged, as hc_finish writes it; the test
+// builds it from the CPU QA8 codes, CudaHc.PassAndFinish checks hc_finish against the
+// same reference): with x itself zero, one token gives exactly the results of x (the
+// staged codes are what the kernels use); more tokens ignore it.
+TEST(CudaMoe, DecodeStagedActivations) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(37);
+  auto a = make_moe(8, 512, 96, true, 32, 32, false, rng);
+  auto b = make_moe(8, 5120, 2304, true, 32, 32, false, rng);
+  auto c = make_moe(6, 2048, 128, false, 32, 32, false, rng);
+  for (const MoeSetup* m : {a.get(), b.get(), c.get()})
+    for (int T : {1, 2}) {
+      SCOPED_TRACE(testing::Message() << "D " << m->D << " I " << m->I << " T " << T);
+      std::vector<float> x = twin::random_acts(T, m->D, rng, true, -3, 1);
+      std::vector<int32_t> ids;
+      std::vector<float> w;
+      random_routing(T, m->E, 6, rng, ids, w);
+      const DecodeResult want = run_decode(*m, x, T, 6, ids, w, DType::BF16);
+      const std::vector<uint32_t> st = staged_act_ref(std::vector<float>(x.begin(), x.begin() + m->D));
+      const std::vector<float> zero(x.size(), 0.0f);
+      const DecodeResult got = run_decode(*m, T == 1 ? zero : x, T, 6, ids, w, DType::BF16, nullptr, nullptr, &st);
+      EXPECT_EQ(count_bit_diff(got.y, want.y), 0u) << "output";
+      EXPECT_EQ(count_bit_diff(got.hq, want.hq), 0u) << "hidden";
+    }
 }
 
 TEST(CudaMoe, PrefillMatchesDecode) {

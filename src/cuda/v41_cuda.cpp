@@ -50,6 +50,14 @@ bool hc_off_branch() {
   return v;
 }
 
+// DSX_STAGED_X=0: the one-token consumers of the sites' normalized rows (wq_a, wkv, the
+// MoE up projection) quantize them themselves instead of copying the QA8 codes that
+// hc_finish stages for them
+bool staged_x_enabled() {
+  static const bool v = env_int("DSX_STAGED_X", 1) != 0;
+  return v;
+}
+
 // DSX_BRANCHES=0: decode on the session stream only (no side-stream graph branches)
 bool branches_enabled() {
   static const bool v = env_int("DSX_BRANCHES", 1) != 0;
@@ -474,8 +482,14 @@ class CudaSession : public Session {
   void moe(int l, int T);
   // Launches on `st` (default: the session stream) with the GEMV split workspace of
   // that stream (concurrent branches must not share one).
+  // staged: GemvOpts::staged (one token).
   void lin(const QMatrix& W, const void* x, int64_t ldx, int T, Act yt, void* y, int64_t ldy, bool qa8,
-           int groups = 1, cudaStream_t st = nullptr);
+           int groups = 1, cudaStream_t st = nullptr, const uint32_t* staged = nullptr);
+  // The sites' staged QA8 rows (hc_finish's `staged`) for a chunk of T tokens: null
+  // unless T = 1 (and DSX_STAGED_X is not 0).
+  uint32_t* staged_x(uint32_t* buf, int T) const {
+    return T == 1 && c_.quant_block == 32 && staged_x_enabled() ? buf : nullptr;
+  }
   GemvOpts gemv_opts(bool qa8, int groups, cudaStream_t st) const;
   void stage_engram(const int32_t* ids, int T, cudaStream_t st);  // (copies on st)
 
@@ -521,6 +535,8 @@ class CudaSession : public Session {
   float *router_logits_ = nullptr, *route_w_ = nullptr;
   int32_t* route_ids_ = nullptr;
   void* moe_ws_ = nullptr;
+  uint32_t* xst_attn_ = nullptr;  // hc_finish's staged attention input (a_, one token)
+  uint32_t* xst_ffn_ = nullptr;   // and the MoE's (f_)
   size_t moe_ws_bytes_ = 0;
   void *u_ = nullptr, *yE_ = nullptr;
   float* logits_ = nullptr;
@@ -693,6 +709,8 @@ CudaSession::CudaSession(const DeviceModel& m, const EngineOptions& o)
     route_ids_ = static_cast<int32_t*>(take(T * K * 4));
     route_w_ = static_cast<float*>(take(T * K * 4));
     moe_ws_ = take(moe_ws_bytes_);
+    xst_attn_ = static_cast<uint32_t*>(take(2 * staged_act_words(D) * 4));
+    xst_ffn_ = static_cast<uint32_t*>(take(2 * staged_act_words(D) * 4));
     u_ = take(std::max<int64_t>(1, T * nc * ed) * ab_);
     yE_ = take(std::max<int64_t>(1, T * (M + 1) * D) * ab_);
     logits_ = static_cast<float*>(take(T * V * 4));
@@ -749,10 +767,12 @@ GemvOpts CudaSession::gemv_opts(bool qa8, int groups, cudaStream_t st) const {
 }
 
 void CudaSession::lin(const QMatrix& W, const void* x, int64_t ldx, int T, Act yt, void* y, int64_t ldy, bool qa8,
-                      int groups, cudaStream_t st) {
+                      int groups, cudaStream_t st, const uint32_t* staged) {
   if (!st) st = stream_;
   if (T <= kGemvMaxT) {
-    gemv(W, act_, x, ldx, T, yt, y, ldy, gemv_opts(qa8, groups, st), st);
+    GemvOpts o = gemv_opts(qa8, groups, st);
+    o.staged = staged;
+    gemv(W, act_, x, ldx, T, yt, y, ldy, o, st);
   } else {
     DSX_CHECK(st == stream_, "prefill products run on the session stream");
     GemmOpts o;
@@ -812,6 +832,7 @@ void CudaSession::hc_site_finish(const HcFinishArgs& fz, bool branch) {
   DSX_CUDA_CHECK(cudaStreamWaitEvent(side_hc_, ev_hc_fork_, 0));
   HcFinishArgs mix = fz;
   mix.collapsed = nullptr, mix.norm_w = nullptr, mix.norm_out = nullptr, mix.q_codes = nullptr, mix.q_scales = nullptr;
+  mix.staged = nullptr;
   hc_finish(act_, mix, side_hc_);
   DSX_CUDA_CHECK(cudaEventRecord(ev_hc_join_, side_hc_));
   hc_pending_ = true;
@@ -879,7 +900,7 @@ void CudaSession::forward(int T, bool all_rows, int l0, int l1) {
       fz.T = T, fz.D = D, fz.work = hc_work_, fz.have_mix = true, fz.base = L.hc_attn_base, fz.scale = L.hc_attn_scale;
       fz.norm_eps = c_.rms_eps, fz.hc_eps = c_.hc_eps, fz.sinkhorn_iters = c_.hc_sinkhorn_iters;
       fz.pre = pa_, fz.post = qa_, fz.comb = Ca_;
-      fz.collapsed = a_, fz.norm_w = L.attn_norm, fz.norm_out = a_;
+      fz.collapsed = a_, fz.norm_w = L.attn_norm, fz.norm_out = a_, fz.staged = staged_x(xst_attn_, T);
       hc_site_finish(fz, hc_branch);
       prof_.mark("hc", stream_);
     }
@@ -894,7 +915,7 @@ void CudaSession::forward(int T, bool all_rows, int l0, int l1) {
       fz.T = T, fz.D = D, fz.work = hc_work_, fz.have_mix = true, fz.base = L.hc_ffn_base, fz.scale = L.hc_ffn_scale;
       fz.norm_eps = c_.rms_eps, fz.hc_eps = c_.hc_eps, fz.sinkhorn_iters = c_.hc_sinkhorn_iters;
       fz.pre = pf_, fz.post = qf_, fz.comb = Cf_;
-      fz.collapsed = f_, fz.norm_w = L.ffn_norm, fz.norm_out = f_;
+      fz.collapsed = f_, fz.norm_w = L.ffn_norm, fz.norm_out = f_, fz.staged = staged_x(xst_ffn_, T);
       hc_site_finish(fz, hc_branch);
       prof_.mark("hc", stream_);
     }
@@ -950,7 +971,7 @@ void CudaSession::attention(int l, int T) {
     for (auto& sd : side_) DSX_CUDA_CHECK(cudaStreamWaitEvent(sd, ev_fork_, 0));
   }
   // §3.4.2 window KV
-  lin(L.wkv, a_, D, T, act_, kv_raw_, hd, true, 1, s_kv);
+  lin(L.wkv, a_, D, T, act_, kv_raw_, hd, true, 1, s_kv, staged_x(xst_attn_, T));
   prof_.mark("wkv", stream_);
   // decode: the row also goes straight into the window ring (no window_store launch
   // after the attention on the critical path)
@@ -985,7 +1006,7 @@ void CudaSession::attention(int l, int T) {
   if (r > 0 && c_.is_index_source(l)) lin(L.idx_weights_proj, a_, D, T, act_, idx_w_, c_.index_n_heads, false, 1, s_cmp);
   if (branch) DSX_CUDA_CHECK(cudaEventRecord(ev_join_[1], s_cmp));
   // §3.4.1 queries
-  lin(L.wq_a, a_, D, T, act_, q_lat_, ql, true);
+  lin(L.wq_a, a_, D, T, act_, q_lat_, ql, true, 1, nullptr, staged_x(xst_attn_, T));
   prof_.mark("wq_a", stream_);
   // q_norm, then wq_b (RoPE: in the attention, aa.q_inv_freq); the normalized rows land in
   // q_latn_ for the indexer. One token: the norm is done by wq_b's kernel while it stages
@@ -1091,7 +1112,8 @@ void CudaSession::moe(int l, int T) {
   }
   prof_.mark("router", stream_);
   if (T <= kGemvMaxT) {
-    moe_decode(L.moe, act_, f_, D, T, K, route_ids_, route_w_, act_, y_, D, moe_ws_, moe_ws_bytes_, stream_);
+    moe_decode(L.moe, act_, f_, D, T, K, route_ids_, route_w_, act_, y_, D, moe_ws_, moe_ws_bytes_, stream_,
+               staged_x(xst_ffn_, T));
   } else {
     moe_prefill(L.moe, act_, f_, D, T, K, route_ids_, route_w_, act_, y_, D, moe_ws_, moe_ws_bytes_, stream_);
   }

@@ -178,6 +178,7 @@ struct MmaParams {
   const float* norm_w;  // optional RMS norm of the (one-token) input, GemvOpts::norm_w
   float norm_eps;
   void* norm_out;
+  const uint32_t* staged;  // GemvOpts::staged (one token, the shared-ring FP8 kernel only)
 };
 
 // U: spans in flight per lane (U KB per warp). Every warp walks the same number Pw of
@@ -243,10 +244,14 @@ __global__ void __launch_bounds__(kThreads, R ? 1 : 2) gemv_mma_kernel(const Mma
   }
 
   dev::pdl_wait();
-  if (p.norm_w) {  // (one token, one group: gemv_mma checks)
+  if (p.staged) {  // (T = 1, one group: try_launch_mma) bs then sas, as staged by the producer
+    dev::copy_to_smem(bs, p.staged, static_cast<int64_t>(p.NB) * 17);
+  } else if (p.norm_w) {  // (one token, one group: gemv_mma checks)
     dev::StageNorm nrm;
     nrm.w = p.norm_w;
-    nrm.r = dev::block_inv_rms(p.x, p.xt, p.NB * 32, p.norm_eps);
+    nrm.in_pass = dev::norm_in_pass(p.NB);  // (else the row is read twice)
+    nrm.eps = p.norm_eps;
+    if (!nrm.in_pass) nrm.r = dev::block_inv_rms(p.x, p.xt, p.NB * 32, p.norm_eps);
     nrm.out = blockIdx.x == 0 ? p.norm_out : nullptr;  // block 0 also writes the normalized row
     dev::stage_b_mma<F, HW, QA>(bs, sas, p.tstride, p.T, p.NB, p.x, p.xt, p.ldx, 0, p.prescale, nullptr, 0, &nrm);
   } else {
@@ -470,6 +475,7 @@ bool try_launch_mma(const MmaParams& base, int K, cudaStream_t stream, MmaTry& t
   p.KS = pl.KS;
   p.TPB = pl.TPB;
   p.tstride = pl.NB;
+  if (!(R && F == WFormat::FP8_BLOCK && HW && QA && p.T == 1 && p.G == 1 && !p.norm_w)) p.staged = nullptr;
   p.n_tiles = pl.n_tiles;
   p.ntg = pl.ntg;
   p.bpg = pl.bpg;
@@ -496,6 +502,7 @@ bool gemv_mma(const QMatrix& W, DType xt, const void* x, int64_t ldx, int T, DTy
   p.y = y;
   p.yt = static_cast<int>(yt);
   p.ldy = ldy;
+  p.staged = qa8 && o.qblock == 32 && T == 1 ? o.staged : nullptr;
   const int K = static_cast<int>(W.cols);
   if (o.norm_w) {  // the fused input norm: one token, QA8, one group (gemv falls back otherwise)
     if (T != 1 || !qa8 || o.groups != 1) return tr.no("input norm: one token with QA8 only");

@@ -48,7 +48,19 @@ struct GemvOpts {
   const float* norm_w = nullptr;
   float norm_eps = 0.0f;
   void* norm_out = nullptr;
+  // Optional: the one-token input already quantized by its producer (hc_finish's
+  // `staged`): QA8 (32-element blocks) of x in the B order of the one-token FP8
+  // tensor-core kernel, [K/32][16] words of f16 code pairs, then K/32 scales. That kernel
+  // copies it instead of staging x itself (x is then not read); the others ignore it. It
+  // must be QA8 of exactly x.
+  const uint32_t* staged = nullptr;
 };
+
+// 32-bit words of one token's staged activations in one B order (GemvOpts::staged),
+// rounded up to 16 bytes: K/32 blocks of 16 words and their K/32 scales. A producer that
+// writes both one-token orders (hc_finish) puts the FP8 order first, then the MXFP4 order
+// (scales times 2^14) at this offset.
+constexpr int64_t staged_act_words(int64_t K) { return (K / 32 * 17 + 3) / 4 * 4; }
 
 // W: descriptor with DEVICE pointers (data 16-byte aligned; FP8 tile size 32 or 128).
 // x: [T, >= K] activations of type xt, row stride ldx elements. y: [T, >= N] of type yt,

@@ -712,6 +712,10 @@ struct StageNorm {
   const float* w = nullptr;
   float r = 1.0f;
   void* out = nullptr;
+  // in_pass: r is computed by stage_b_mma from the values it loads (eps: the norm's),
+  // when the row fits one pass (norm_in_pass): x is read once instead of twice.
+  bool in_pass = false;
+  float eps = 0.0f;
 };
 
 // 1 / sqrt(mean(x[0..n)^2) + eps) of one activation row, in every thread (squares summed
@@ -726,6 +730,10 @@ __device__ __forceinline__ float block_inv_rms(const void* x, int xt, int n, flo
   ss = block_sum(ss, part);
   return 1.0f / sqrtf(static_cast<float>(ss / static_cast<double>(n)) + eps);
 }
+
+// Whether stage_b_mma can compute the norm of a one-token row of 32 NB elements in its
+// single pass (StageNorm::in_pass): one octet per thread.
+__device__ __forceinline__ bool norm_in_pass(int NB) { return NB * 4 <= static_cast<int>(blockDim.x); }
 
 // A second destination of stage_b_mma: the MXFP4 B order of the same QA8 codes (the MoE
 // up kernel, whose blocks meet both formats: one quantization for both).
@@ -763,14 +771,29 @@ __device__ __forceinline__ void stage_b_mma(uint32_t* bs, float* sas, int tstrid
     t_next += step_t;
     if (o_next >= per_tok) o_next -= per_tok, ++t_next;
     const int kb = o >> 2, sub = o & 3;
-    float v[8];
+    float v[8], wn[8];
     if (ok) {
       load_act8(x, xt, static_cast<int64_t>(t) * ldx + xoff + kb * 32 + sub * 8, v);
+      if (nrm)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) wn[e] = nrm->w[kb * 32 + sub * 8 + e];
+    }
+    float rr = nrm ? nrm->r : 1.0f;
+    if (nrm && nrm->in_pass) {  // (one pass: every thread of the block is here once)
+      __shared__ double part[32];
+      double ss = 0.0;
+      if (ok)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) ss += static_cast<double>(v[e]) * static_cast<double>(v[e]);
+      ss = block_sum(ss, part);
+      rr = 1.0f / sqrtf(static_cast<float>(ss / static_cast<double>(per_tok * 8)) + nrm->eps);
+    }
+    if (ok) {
       if (nrm) {  // one token: x' = act(w * (x * r)), as the rmsnorm kernel
         const int k0 = kb * 32 + sub * 8;
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
-          float u = nrm->w[k0 + e] * (v[e] * nrm->r);
+          float u = wn[e] * (v[e] * rr);
           if (xt == 1) u = bf16_to_f32(f32_to_bf16(u));
           v[e] = u;
           if (nrm->out) store_act(nrm->out, xt, k0 + e, u);
@@ -862,9 +885,9 @@ __device__ __forceinline__ void stage_block_lanes(float v, int lane, uint32_t* b
   if (fq) *fq = __half2float(__ushort_as_half(code)) * sc;
 }
 
-// Copy `words` 32-bit words (a multiple of 4; both 16-byte aligned) from global memory
-// written by the previous grid to shared memory, all of a thread's loads (up to 8 per
-// pass, bypassing L1) issued before its stores. All threads of the block.
+// Copy `words` 32-bit words (both ends 16-byte aligned) from global memory written by the
+// previous grid to shared memory, all of a thread's loads (up to 8 per pass, bypassing
+// L1) issued before its stores. All threads of the block.
 __device__ __forceinline__ void copy_to_smem(uint32_t* dst, const uint32_t* src, int64_t words) {
   uint4* d = reinterpret_cast<uint4*>(dst);
   const uint4* s = reinterpret_cast<const uint4*>(src);
@@ -878,6 +901,8 @@ __device__ __forceinline__ void copy_to_smem(uint32_t* dst, const uint32_t* src,
     for (int u = 0; u < 8; ++u)
       if (i0 + u * bd < n16) d[i0 + u * bd] = r[u];
   }
+  const int tail = static_cast<int>(words - 4 * static_cast<int64_t>(n16));
+  if (static_cast<int>(threadIdx.x) < tail) dst[4 * n16 + threadIdx.x] = __ldcg(src + 4 * n16 + threadIdx.x);
 }
 
 }  // namespace dsx::cuda::dev

@@ -7,6 +7,8 @@
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/elementwise_dev.cuh"
 #include "kernels/cuda/pdl_device.cuh"
+#include "kernels/cuda/gemv.h"         // staged_act_words
+#include "kernels/cuda/gemv_device.cuh"  // stage_block_lanes
 #include "kernels/cuda/gemv_launch.h"  // pdl_enabled
 #include "util/error.h"
 
@@ -280,6 +282,7 @@ struct FinishParams {
   void* out;
   uint8_t* qc;
   float* qs;
+  uint32_t* staged;  // T = 1 (HcFinishArgs::staged)
 };
 
 // grid (mix_blocks + D / 128, T). Block 0 (with the mix): the 24 z sums (8 per warp on
@@ -370,6 +373,13 @@ __global__ void __launch_bounds__(kFinishThreads) hc_finish_kernel(const FinishP
     const QCode q = fq8_group(v);
     p.qc[row + d] = q.code;
     if (lane == 0) p.qs[t * (p.D / 32) + d / 32] = q.scale;
+  }
+  if (p.staged) {  // (T = 1) a warp holds one 32-element block: element = lane
+    const int64_t kb = d / 32, nb = p.D / 32, mx = staged_act_words(p.D);
+    stage_block_lanes<WFormat::FP8_BLOCK>(v, lane, p.staged + kb * 16, reinterpret_cast<float*>(p.staged + nb * 16) + kb,
+                                          fp8_mma_prescale<true>(), nullptr);
+    stage_block_lanes<WFormat::MXFP4>(v, lane, p.staged + mx + kb * 16,
+                                      reinterpret_cast<float*>(p.staged + mx + nb * 16) + kb, kMx4MmaPrescale, nullptr);
   }
 }
 
@@ -469,6 +479,8 @@ void hc_finish(Act act, const HcFinishArgs& a, cudaStream_t stream) {
   p.out = a.norm_out;
   p.qc = a.q_codes;
   p.qs = a.q_scales;
+  DSX_CHECK(!a.staged || (a.T == 1 && a.norm_out), "hc_finish: staged activations are for one token with the norm");
+  p.staged = a.staged;
   const int blocks = p.mix_blocks + (a.norm_out ? static_cast<int>(a.D / kFinishThreads) : 0);
   if (blocks == 0) return;
   DSX_DISPATCH_ACT(act, T,

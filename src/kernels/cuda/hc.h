@@ -97,6 +97,10 @@ struct HcFinishArgs {
   void* norm_out = nullptr;        // [T, D] act (may alias collapsed); null = no norm
   uint8_t* q_codes = nullptr;      // optional QA8 of norm_out: [T, D] e4m3
   float* q_scales = nullptr;       //                          [T, D / 32] f32
+  // optional, T = 1: QA8 of norm_out staged for its one-token consumers
+  // (GemvOpts::staged, moe_decode's x_staged): the FP8 B order, then the MXFP4 B order,
+  // staged_act_words(D) words each (gemv.h)
+  uint32_t* staged = nullptr;
 };
 void hc_finish(Act act, const HcFinishArgs& a, cudaStream_t stream);
 

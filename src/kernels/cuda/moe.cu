@@ -273,6 +273,7 @@ struct UpMmaParams {
   // fake-quantized values ([S][I])
   uint32_t* hst;
   float* hq;
+  const uint32_t* xst;  // one-token ring kernel: x staged by its producer (moe_decode's x_staged) or null
 };
 
 template <int P>
@@ -690,7 +691,11 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_ring_t1_kernel(const UpMma
   __syncthreads();
   if (!early) st.start();
   for (int i = threadIdx.x; i < p.max_units; i += blockDim.x) ucnt[i] = 0;
-  if (any_sh) {  // (with the MXFP4 order too when the block also meets routed units)
+  if (p.xst) {  // [FP8 order | MXFP4 order] (staged_act_words each) is the layout of bs8 .. sas4
+    const int64_t w = staged_act_words(p.D);
+    if (any_sh) dev::copy_to_smem(bs8, p.xst, w);
+    if (any_rt) dev::copy_to_smem(bs4, p.xst + w, w);
+  } else if (any_sh) {  // (with the MXFP4 order too when the block also meets routed units)
     dev::StageAlso mx;
     mx.bs = bs4;
     mx.sas = sas4;
@@ -967,7 +972,7 @@ bool launch_ring_t1(const UpMmaParams& up, const DownMmaParams& dn, int64_t n_up
 // The tensor-core decode path when it applies (false: the CUDA-core kernels).
 bool moe_decode_mma(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int T, int topk, const int32_t* ids,
                     const float* weights, DType yt, void* y, int64_t ldy, char* base, const DecodeLayout& L,
-                    cudaStream_t stream) {
+                    cudaStream_t stream, const uint32_t* x_staged) {
   const int mode = gemv_mma_mode();
   if (mode == 0 || (yt != DType::BF16 && mode < 2) || !moe_mma_enabled()) return false;
   const bool has_shared = m.shared_w1.data != nullptr;
@@ -1005,6 +1010,7 @@ bool moe_decode_mma(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int
   up.NB = NB;
   up.n_sblocks = has_shared ? NTI : 0;
   up.hst = reinterpret_cast<uint32_t*>(base + L.hst);
+  up.xst = T == 1 ? x_staged : nullptr;
   up.hq = hq;
   const int n_up = up.n_sblocks + T * topk * NTI;
   const size_t tok_bytes = static_cast<size_t>(NB) * (64 + 4);
@@ -1051,7 +1057,7 @@ size_t moe_decode_ws_bytes(const MoeLayer& m, int T, int topk) { return decode_l
 
 void moe_decode(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int T, int topk, const int32_t* ids,
                 const float* weights, DType yt, void* y, int64_t ldy, void* ws, size_t ws_bytes,
-                cudaStream_t stream) {
+                cudaStream_t stream, const uint32_t* x_staged) {
   if (T <= 0) return;
   check_layer(m, topk);
   const DecodeLayout L = decode_layout(m, T, topk);
@@ -1060,7 +1066,7 @@ void moe_decode(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int T, 
   const int D = static_cast<int>(m.hidden), I = static_cast<int>(m.inter);
   char* base = static_cast<char*>(ws);
   const bool bf16 = yt == DType::BF16;  // BF16 mode: the reference rounding points
-  if (moe_decode_mma(m, xt, x, ldx, T, topk, ids, weights, yt, y, ldy, base, L, stream)) return;
+  if (moe_decode_mma(m, xt, x, ldx, T, topk, ids, weights, yt, y, ldy, base, L, stream, x_staged)) return;
 
   // ---- up
   UpParams up{};

@@ -48,9 +48,12 @@ struct MoeLayer {
 // (S = topk + 1 with a shared expert, else topk) hold the QA8'd hidden vectors h
 // ([T][S][I], slot order as in ids, shared expert last), for tests / debugging.
 size_t moe_decode_ws_bytes(const MoeLayer& m, int T, int topk);
+// x_staged (optional, T = 1): QA8 of x (32-element blocks) staged by its producer in the
+// FP8 B order, then the MXFP4 B order (hc_finish's `staged`, staged_act_words(D) words
+// each); the one-token kernels copy it instead of quantizing x. It must be QA8 of exactly x.
 void moe_decode(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int T, int topk, const int32_t* ids,
                 const float* weights, DType yt, void* y, int64_t ldy, void* ws, size_t ws_bytes,
-                cudaStream_t stream);
+                cudaStream_t stream, const uint32_t* x_staged = nullptr);
 
 // ---- prefill: many tokens -----------------------------------------------------------
 //
