@@ -17,10 +17,10 @@ using namespace dev;
 namespace {
 
 // Scoring blocks: TH threads x RPT rows per thread. Short row lists (decode at a few
-// thousand compressed rows) use 64 x 1 so the work spreads over the SMs (128 x 2 put
-// 8192 rows on 33 SMs: 21 us in the H200 decode graph, 64 x 1: 13 us); long ones
-// 128 x 2, which stages q once per 256 rows. Each (row, head) dot product is the same
-// sequential chain either way.
+// thousand compressed rows) use 128 threads for 32 rows (the heads split over 4 threads
+// per row, see kGroups) so the work spreads over the SMs (128 x 2 put 8192 rows on 33
+// SMs: 21 us in the H200 decode graph, 64 x 1: 13 us); long ones 128 x 2, which stages q
+// once per 256 rows. Each (row, head) dot product is the same sequential chain either way.
 
 // 32 FQ4e8 key values of one scale block: 16 packed bytes + one ue8m0 byte.
 __device__ __forceinline__ void decode32(const uint8_t* __restrict__ p, uint32_t sbyte, float* out) {
@@ -33,13 +33,23 @@ __device__ __forceinline__ void decode32(const uint8_t* __restrict__ p, uint32_t
     for (int n = 0; n < 8; ++n) out[i * 8 + n] = e2m1_dev((w[i] >> (4 * n)) & 15u) * s;
 }
 
-template <typename T, int H, int kThreads, int kRowsPerThread>
+// kGroups > 1 (short row lists): the heads of a row are split over kGroups threads (H /
+// kGroups heads each; lanes l, l + 32 / kGroups, ... of a warp hold a row's groups, so
+// the lanes of a quarter warp read one q address), which puts kGroups times more warps on the SMs:
+// with one thread per row the 64-thread blocks issued one instruction per ~3 cycles per
+// warp with ~2 warps per SM (ncu, 14 us at 8k rows). The per-head dot products are the
+// same chains; the head terms are gathered by shuffles and added in head order, as before.
+template <typename T, int H, int kThreads, int kRowsPerThread, int kGroups = 1>
 __global__ void __launch_bounds__(kThreads) indexer_scores_kernel(
     int hd, int r, const float* __restrict__ q, const T* __restrict__ w, const uint8_t* __restrict__ kp,
     const uint8_t* __restrict__ ks, const int32_t* __restrict__ cand_blocks, int64_t cand_ld,
     const int32_t* __restrict__ cand_count, int cbs, float* __restrict__ scores, int64_t ld_scores,
     int32_t* __restrict__ counts, const int64_t* __restrict__ d_pos, float softmax_scale, float heads_scale,
     float weight_factor) {
+  static_assert(kGroups == 1 || kGroups == 2 || kGroups == 4, "head groups: 1, 2 or 4 (lanes l + 8 g)");
+  static_assert(H % kGroups == 0, "heads split evenly");
+  constexpr int HG = H / kGroups;                      // heads of a thread
+  constexpr int kRowThreads = kThreads / kGroups;       // row slots per pass
   extern __shared__ float4 q_s4[];  // [H, hd] f32
   __shared__ float w_s[H];
   constexpr bool kBf16 = !std::is_same<T, float>::value;
@@ -50,7 +60,7 @@ __global__ void __launch_bounds__(kThreads) indexer_scores_kernel(
   const bool cand = cand_blocks != nullptr;
   const int64_t count = cand ? static_cast<int64_t>(cand_count[t]) * cbs : n_vis;
   if (blockIdx.x == 0 && threadIdx.x == 0) counts[t] = static_cast<int32_t>(count);
-  const int64_t base = static_cast<int64_t>(blockIdx.x) * (kThreads * kRowsPerThread);
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * (kRowThreads * kRowsPerThread);
   if (base >= count) return;
 
   float* q_s = reinterpret_cast<float*>(q_s4);
@@ -62,22 +72,27 @@ __global__ void __launch_bounds__(kThreads) indexer_scores_kernel(
   }
   __syncthreads();
 
+  // this thread: head group g (heads g HG ..), row slot rs
+  constexpr int RW = 32 / kGroups;  // rows of a warp (kGroups > 1): lane = RW g + row
+  const int lane = threadIdx.x & 31;
+  const int g = kGroups == 1 ? 0 : lane / RW;
+  const int rs = kGroups == 1 ? static_cast<int>(threadIdx.x) : (threadIdx.x >> 5) * RW + lane % RW;
   int64_t idx[kRowsPerThread], row[kRowsPerThread];
   bool valid[kRowsPerThread];
 #pragma unroll
   for (int k = 0; k < kRowsPerThread; ++k) {
-    idx[k] = base + k * kThreads + threadIdx.x;
+    idx[k] = base + k * kRowThreads + rs;
     int64_t j = idx[k];
     if (cand && idx[k] < count) j = static_cast<int64_t>(cand_blocks[t * cand_ld + idx[k] / cbs]) * cbs + idx[k] % cbs;
     valid[k] = idx[k] < count && j < n_vis;
     row[k] = valid[k] ? j : 0;  // invisible rows read row 0 (exists whenever count > 0)
   }
 
-  float acc[kRowsPerThread][H];
+  float acc[kRowsPerThread][HG];
 #pragma unroll
   for (int k = 0; k < kRowsPerThread; ++k)
 #pragma unroll
-    for (int h = 0; h < H; ++h) acc[k][h] = 0.0f;
+    for (int h = 0; h < HG; ++h) acc[k][h] = 0.0f;
 
   const int nb = hd / 32;
   for (int b = 0; b < nb; ++b) {
@@ -86,8 +101,8 @@ __global__ void __launch_bounds__(kThreads) indexer_scores_kernel(
     for (int k = 0; k < kRowsPerThread; ++k)
       decode32(kp + row[k] * (hd / 2) + b * 16, ks[row[k] * nb + b], kv[k]);
 #pragma unroll
-    for (int h = 0; h < H; ++h) {
-      const float4* qh = reinterpret_cast<const float4*>(q_s + h * hd + b * 32);
+    for (int h = 0; h < HG; ++h) {
+      const float4* qh = reinterpret_cast<const float4*>(q_s + (g * HG + h) * hd + b * 32);
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
         const float4 qv = qh[e];
@@ -107,20 +122,27 @@ __global__ void __launch_bounds__(kThreads) indexer_scores_kernel(
   float* st_row = scores + static_cast<int64_t>(t) * ld_scores;
 #pragma unroll
   for (int k = 0; k < kRowsPerThread; ++k) {
-    if (idx[k] >= count) continue;
+    // head h's value: acc[k][h % HG] of group h / HG (lane lane % RW + RW (h / HG))
+    auto head = [&](int h) {
+      if constexpr (kGroups == 1) {
+        return acc[k][h];
+      } else {
+        return __shfl_sync(0xffffffffu, acc[k][h % HG], lane % RW + RW * (h / HG));
+      }
+    };
     float s = 0.0f;
     if (kBf16) {
 #pragma unroll
       for (int h = 0; h < H; ++h) {
-        const float dd = fmaxf(round_bf16_dev(acc[k][h]), 0.0f);
+        const float dd = fmaxf(round_bf16_dev(head(h)), 0.0f);
         s += round_bf16_dev(dd * w_s[h]);
       }
       s = round_bf16_dev(s);
     } else {
 #pragma unroll
-      for (int h = 0; h < H; ++h) s = fmaf(fmaxf(acc[k][h], 0.0f) * softmax_scale, w_s[h], s);
+      for (int h = 0; h < H; ++h) s = fmaf(fmaxf(head(h), 0.0f) * softmax_scale, w_s[h], s);
     }
-    st_row[idx[k]] = valid[k] ? s : -INFINITY;
+    if (g == 0 && idx[k] < count) st_row[idx[k]] = valid[k] ? s : -INFINITY;
   }
 }
 
@@ -140,15 +162,21 @@ __global__ void block_scores_kernel(const float* __restrict__ scores, int64_t ld
   out[static_cast<int64_t>(t) * ld_out + b] = m;
 }
 
-template <typename T, int HH, int TH, int RPT>
+template <typename T, int HH, int TH, int RPT, int G = 1>
 void launch_one(const IndexerScoreArgs& a, dim3 grid, size_t smem, const T* w, float softmax_scale, float heads_scale,
                 float weight_factor, cudaStream_t stream) {
-  auto* kern = indexer_scores_kernel<T, HH, TH, RPT>;
+  auto* kern = indexer_scores_kernel<T, HH, TH, RPT, G>;
   if (smem > 48 * 1024)
     DSX_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   detail::launch_pdl(kern, grid, dim3(TH), smem, stream, a.head_dim, a.ratio, a.q, w, a.keys.packed, a.keys.scales,
                      a.cand_blocks, a.cand_ld, a.cand_count, a.cand_block_size, a.scores, a.ld, a.counts, a.d_pos,
                      softmax_scale, heads_scale, weight_factor);
+}
+
+// DSX_INDEXER_SPLIT=0: short row lists on one thread per row (all heads) instead of 4
+bool split_heads() {
+  static const bool v = env_int("DSX_INDEXER_SPLIT", 1) != 0;
+  return v;
 }
 
 template <typename T>
@@ -158,7 +186,7 @@ void launch_scores(const IndexerScoreArgs& a, cudaStream_t stream) {
   const float weight_factor =
       static_cast<float>(std::pow(static_cast<double>(a.head_dim), -0.5) * std::pow(static_cast<double>(a.n_heads), -0.5));
   const bool small = (a.max_rows + 63) / 64 <= static_cast<int64_t>(8) * sm_count();
-  const int rows_per_block = small ? 64 : 256;
+  const int rows_per_block = small ? (split_heads() ? 32 : 64) : 256;
   const int64_t blocks = (a.max_rows + rows_per_block - 1) / rows_per_block;
   DSX_CHECK(blocks < (int64_t{1} << 31), "indexer_scores: too many rows");
   dim3 grid(static_cast<unsigned>(blocks > 0 ? blocks : 1), a.T);
@@ -166,7 +194,9 @@ void launch_scores(const IndexerScoreArgs& a, cudaStream_t stream) {
   const T* w = static_cast<const T*>(a.w);
 #define DSX_IDX_LAUNCH(HH)                                                                                     \
   do {                                                                                                         \
-    if (small) launch_one<T, HH, 64, 1>(a, grid, smem, w, softmax_scale, heads_scale, weight_factor, stream);  \
+    if (small && split_heads())                                                                                \
+      launch_one<T, HH, 128, 1, 4>(a, grid, smem, w, softmax_scale, heads_scale, weight_factor, stream);       \
+    else if (small) launch_one<T, HH, 64, 1>(a, grid, smem, w, softmax_scale, heads_scale, weight_factor, stream); \
     else launch_one<T, HH, 128, 2>(a, grid, smem, w, softmax_scale, heads_scale, weight_factor, stream);       \
   } while (0)
   switch (a.n_heads) {
