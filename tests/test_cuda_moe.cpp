@@ -414,4 +414,57 @@ TEST(CudaMoe, RouterFeedsDecode) {
   }
 }
 
+// One token: the router, then moe_decode with x staged, back to back on one stream (the
+// MoE kernels launch while the router runs and stream weights before their
+// grid-dependency waits; the ids are overwritten with out-of-range values before each
+// router call). The results equal those of the same calls with a synchronisation in
+// between and without x_staged, bit for bit.
+TEST(CudaMoe, RouterThenStagedDecode) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(38);
+  const int E = 384, topk = 6;
+  const int64_t D = 512, I = 96;
+  auto m = make_moe(E, D, I, true, 32, 32, false, rng);
+  twin::RandomSpec gs;
+  gs.sigma = 0.02f;
+  twin::OwnedMatrix gate = twin::random_matrix(WFormat::BF16, E, D, 32, rng, gs);
+  DevMatrix dg = upload_matrix(gate.q);
+  std::vector<float> bias(static_cast<size_t>(E), 0.01f);
+  DeviceBuffer db(bias.size() * 4), dz(static_cast<size_t>(E) * 4), di(topk * 4), dw(topk * 4);
+  db.upload(bias.data(), bias.size() * 4);
+  std::vector<float> x = twin::random_acts(1, D, rng, true, -2, 1);
+  const std::vector<uint32_t> st = staged_act_ref(x);
+  DeviceBuffer dx = upload_act(x, DType::BF16), dst(st.size() * 4), dy(static_cast<size_t>(D) * 2),
+      dy0(static_cast<size_t>(D) * 2);
+  dst.upload(st.data(), st.size() * 4);
+  const size_t wsb = cuda::moe_decode_ws_bytes(m->layer, 1, topk);
+  DeviceBuffer ws(wsb), ws0(wsb);
+  const int S = topk + 1;
+  // reference: router, wait, decode without the staged x
+  cuda::router(DType::BF16, dx.get(), D, 1, dg.q, db.as<float>(), topk, cuda::RouterOpts{}, dz.as<float>(),
+               di.as<int32_t>(), dw.as<float>(), nullptr);
+  DSX_CUDA_CHECK(cudaDeviceSynchronize());
+  cuda::moe_decode(m->layer, DType::BF16, dx.get(), D, 1, topk, di.as<int32_t>(), dw.as<float>(), DType::BF16,
+                   dy0.get(), D, ws0.get(), wsb, nullptr);
+  DSX_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<float> y0 = download_act(dy0, static_cast<size_t>(D), DType::BF16);
+  std::vector<float> h0(static_cast<size_t>(S * I));
+  ws0.download(h0.data(), h0.size() * 4);
+  cudaStream_t s = nullptr;
+  DSX_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  for (int rep = 0; rep < 3; ++rep) {
+    DSX_CUDA_CHECK(cudaMemsetAsync(di.get(), 0xff, topk * 4, s));  // stale ids would be out of range
+    cuda::router(DType::BF16, dx.get(), D, 1, dg.q, db.as<float>(), topk, cuda::RouterOpts{}, dz.as<float>(),
+                 di.as<int32_t>(), dw.as<float>(), s);
+    cuda::moe_decode(m->layer, DType::BF16, dx.get(), D, 1, topk, di.as<int32_t>(), dw.as<float>(), DType::BF16,
+                     dy.get(), D, ws.get(), wsb, s, dst.as<uint32_t>());
+    DSX_CUDA_CHECK(cudaStreamSynchronize(s));
+    EXPECT_EQ(count_bit_diff(download_act(dy, static_cast<size_t>(D), DType::BF16), y0), 0u) << "output, rep " << rep;
+    std::vector<float> h(h0.size());
+    ws.download(h.data(), h.size() * 4);
+    EXPECT_EQ(count_bit_diff(h, h0), 0u) << "hidden, rep " << rep;
+  }
+  DSX_CUDA_CHECK(cudaStreamDestroy(s));
+}
+
 #endif  // DSX_HAVE_CUDA
