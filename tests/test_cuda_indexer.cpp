@@ -174,15 +174,18 @@ TEST(CudaIndexer, ScoresMatchTwin) {
   struct Shape {
     int H, hd;
   };
-  // n = 70000: more rows than the short-list launch takes (64 x 1 per block, up to
-  // 8 x 64 x SMs rows on a 132-SM device), so the 128 x 2 blocks run too
+  // n = 70000: more rows than the short-list launch takes (up to 8 x 64 x SMs rows on a
+  // 132-SM device), so the 128 x 2 blocks run too; n = 1000 with 5 queries (heads split
+  // over 4 threads per row) and 20 (one thread per row)
   for (int64_t n : {int64_t{1000}, int64_t{70000}})
   for (Act act : {Act::F32, Act::BF16})
     for (Shape sh : {Shape{8, 32}, Shape{32, 128}})
-      for (int ratio : {1, 2}) {
-        if (n > 1000 && (sh.H != 32 || ratio != 1)) continue;
+      for (int ratio : {1, 2})
+      for (int T : {1, 5, 20}) {
+        if (n > 1000 && (sh.H != 32 || ratio != 1 || T != 1)) continue;
+        if (n == 1000 && T == 1) continue;
         const bool bf = act == Act::BF16;
-        const int T = n > 1000 ? 1 : 5, bs = 4;
+        const int bs = 4;
         const int64_t p0 = ratio * n - T - 3;
         Keys keys = make_keys(n, sh.hd, rng);
         std::vector<float> q = make_queries(T, sh.H, sh.hd, rng);

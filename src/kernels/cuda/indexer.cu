@@ -17,8 +17,9 @@ using namespace dev;
 namespace {
 
 // Scoring blocks: TH threads x RPT rows per thread. Short row lists (decode at a few
-// thousand compressed rows) use 128 threads for 32 rows (the heads split over 4 threads
-// per row, see kGroups) so the work spreads over the SMs (128 x 2 put 8192 rows on 33
+// thousand compressed rows) use 128 threads for 32 rows for up to kSplitMaxT queries (the
+// heads split over 4 threads per row, see kGroups), else 64 x 1, so the work spreads over
+// the SMs (128 x 2 put 8192 rows on 33
 // SMs: 21 us in the H200 decode graph, 64 x 1: 13 us); long ones 128 x 2, which stages q
 // once per 256 rows. Each (row, head) dot product is the same sequential chain either way.
 
@@ -173,6 +174,9 @@ void launch_one(const IndexerScoreArgs& a, dim3 grid, size_t smem, const T* w, f
                      softmax_scale, heads_scale, weight_factor);
 }
 
+// Queries (tokens) up to which short row lists split the heads of a row over 4 threads.
+constexpr int kSplitMaxT = 16;
+
 // DSX_INDEXER_SPLIT=0: short row lists on one thread per row (all heads) instead of 4
 bool split_heads() {
   static const bool v = env_int("DSX_INDEXER_SPLIT", 1) != 0;
@@ -186,7 +190,11 @@ void launch_scores(const IndexerScoreArgs& a, cudaStream_t stream) {
   const float weight_factor =
       static_cast<float>(std::pow(static_cast<double>(a.head_dim), -0.5) * std::pow(static_cast<double>(a.n_heads), -0.5));
   const bool small = (a.max_rows + 63) / 64 <= static_cast<int64_t>(8) * sm_count();
-  const int rows_per_block = small ? (split_heads() ? 32 : 64) : 256;
+  // heads split over 4 threads per row for a few queries (decode, speculative verify:
+  // latency-bound); prefill chunks keep one thread per row (the split repeats the key
+  // decode per thread and stages q twice as often: prefill 6 % slower at 32k-128k)
+  const bool split = small && a.T <= kSplitMaxT && split_heads();
+  const int rows_per_block = split ? 32 : small ? 64 : 256;
   const int64_t blocks = (a.max_rows + rows_per_block - 1) / rows_per_block;
   DSX_CHECK(blocks < (int64_t{1} << 31), "indexer_scores: too many rows");
   dim3 grid(static_cast<unsigned>(blocks > 0 ? blocks : 1), a.T);
@@ -194,7 +202,7 @@ void launch_scores(const IndexerScoreArgs& a, cudaStream_t stream) {
   const T* w = static_cast<const T*>(a.w);
 #define DSX_IDX_LAUNCH(HH)                                                                                     \
   do {                                                                                                         \
-    if (small && split_heads())                                                                                \
+    if (split)                                                                                                 \
       launch_one<T, HH, 128, 1, 4>(a, grid, smem, w, softmax_scale, heads_scale, weight_factor, stream);       \
     else if (small) launch_one<T, HH, 64, 1>(a, grid, smem, w, softmax_scale, heads_scale, weight_factor, stream); \
     else launch_one<T, HH, 128, 2>(a, grid, smem, w, softmax_scale, heads_scale, weight_factor, stream);       \
