@@ -466,6 +466,58 @@ TEST(CudaGemv, StagedActivations) {
   }
 }
 
+// Staged outputs for the next one-token consumer (GemvOpts::norm_staged / out_staged):
+// when gemv_last_staged() says they were written they hold exactly QA8 of the normalized
+// row / of the output row in the staged layout (the FP8 order of staged_act_ref, built
+// from the CPU QA8 codes of the rows the call wrote). The release shapes of wq_b (norm) and
+// wo_a (8 groups, no QA8, K-split epilogue) must stage with the default switches.
+TEST(CudaGemv, StagedOutputs) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(23);
+  struct C {
+    int64_t N, K;
+    int groups;
+    bool norm, must;
+  } cases[] = {{32768, 1280, 1, true, true}, {8192, 4096, 8, false, true}, {1280, 5120, 1, false, false},
+               {256, 256, 1, false, false}};
+  for (const C& c : cases) {
+    SCOPED_TRACE(testing::Message() << "N " << c.N << " K " << c.K << " groups " << c.groups);
+    Weight W = make_weight(WFormat::FP8_BLOCK, c.N, c.K, rng, c.groups > 1 ? 128 : 32);
+    const int64_t kx = c.groups * c.K;
+    std::vector<float> x = twin::random_acts(1, kx, rng, true);
+    std::vector<float> nw(static_cast<size_t>(c.K), 1.0f);
+    for (float& v : nw) v = round_bf16(0.5f + static_cast<float>(rng() % 1000) / 1000.0f);
+    DeviceBuffer dx = upload_act(x, DType::BF16), dy(static_cast<size_t>(c.N) * 2), dn(static_cast<size_t>(c.K) * 2),
+                 dnw(static_cast<size_t>(c.K) * 4);
+    dnw.upload(nw.data(), nw.size() * 4);
+    const int64_t rows_staged = c.norm ? c.K : c.N;  // the staged row's length
+    const size_t sw = static_cast<size_t>(cuda::staged_act_words(rows_staged));
+    DeviceBuffer dst(sw * 4);
+    DSX_CUDA_CHECK(cudaMemset(dst.get(), 0, sw * 4));
+    cuda::GemvOpts o;
+    o.groups = c.groups;
+    o.qa8 = c.groups == 1;
+    if (c.norm) {
+      o.norm_w = dnw.as<float>();
+      o.norm_eps = 1e-6f;
+      o.norm_out = dn.get();
+      o.norm_staged = dst.as<uint32_t>();
+    } else {
+      o.out_staged = dst.as<uint32_t>();
+    }
+    cuda::gemv(W.d.q, DType::BF16, dx.get(), kx, 1, DType::BF16, dy.get(), c.N, o, nullptr);
+    const bool staged = cuda::gemv_last_staged();
+    DSX_CUDA_CHECK(cudaDeviceSynchronize());
+    if (c.must && default_gemv_switches()) EXPECT_TRUE(staged);
+    if (!staged) continue;
+    const std::vector<float> row = c.norm ? download_act(dn, static_cast<size_t>(c.K), DType::BF16)
+                                          : download_act(dy, static_cast<size_t>(c.N), DType::BF16);
+    std::vector<uint32_t> want = dsx_test::staged_act_ref(row);
+    want.resize(sw);  // (the FP8 order)
+    EXPECT_EQ(dsx_test::download_vec<uint32_t>(dst, sw), want);
+  }
+}
+
 TEST(CudaGemv, SplitKWorkspace) {
   SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(9);

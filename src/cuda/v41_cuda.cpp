@@ -482,9 +482,11 @@ class CudaSession : public Session {
   void moe(int l, int T);
   // Launches on `st` (default: the session stream) with the GEMV split workspace of
   // that stream (concurrent branches must not share one).
-  // staged: GemvOpts::staged (one token).
-  void lin(const QMatrix& W, const void* x, int64_t ldx, int T, Act yt, void* y, int64_t ldy, bool qa8,
-           int groups = 1, cudaStream_t st = nullptr, const uint32_t* staged = nullptr);
+  // staged: GemvOpts::staged (one token); out_staged: GemvOpts::out_staged. Returns
+  // whether out_staged was written (gemv_last_staged).
+  bool lin(const QMatrix& W, const void* x, int64_t ldx, int T, Act yt, void* y, int64_t ldy, bool qa8,
+           int groups = 1, cudaStream_t st = nullptr, const uint32_t* staged = nullptr,
+           uint32_t* out_staged = nullptr);
   // The sites' staged QA8 rows (hc_finish's `staged`) for a chunk of T tokens: null
   // unless T = 1 (and DSX_STAGED_X is not 0).
   uint32_t* staged_x(uint32_t* buf, int T) const {
@@ -537,6 +539,8 @@ class CudaSession : public Session {
   void* moe_ws_ = nullptr;
   uint32_t* xst_attn_ = nullptr;  // hc_finish's staged attention input (a_, one token)
   uint32_t* xst_ffn_ = nullptr;   // and the MoE's (f_)
+  uint32_t* xst_q_ = nullptr;     // wq_b's staged normalized row for idx_wq_b (q_latn_)
+  uint32_t* xst_o_ = nullptr;     // wo_a's staged output for wo_b (zeta_)
   size_t moe_ws_bytes_ = 0;
   void *u_ = nullptr, *yE_ = nullptr;
   float* logits_ = nullptr;
@@ -711,6 +715,8 @@ CudaSession::CudaSession(const DeviceModel& m, const EngineOptions& o)
     moe_ws_ = take(moe_ws_bytes_);
     xst_attn_ = static_cast<uint32_t*>(take(2 * staged_act_words(D) * 4));
     xst_ffn_ = static_cast<uint32_t*>(take(2 * staged_act_words(D) * 4));
+    xst_q_ = static_cast<uint32_t*>(take(staged_act_words(c_.q_lora_rank) * 4));
+    xst_o_ = static_cast<uint32_t*>(take(staged_act_words(static_cast<int64_t>(c_.o_groups) * c_.o_lora_rank) * 4));
     u_ = take(std::max<int64_t>(1, T * nc * ed) * ab_);
     yE_ = take(std::max<int64_t>(1, T * (M + 1) * D) * ab_);
     logits_ = static_cast<float*>(take(T * V * 4));
@@ -766,13 +772,15 @@ GemvOpts CudaSession::gemv_opts(bool qa8, int groups, cudaStream_t st) const {
   return o;
 }
 
-void CudaSession::lin(const QMatrix& W, const void* x, int64_t ldx, int T, Act yt, void* y, int64_t ldy, bool qa8,
-                      int groups, cudaStream_t st, const uint32_t* staged) {
+bool CudaSession::lin(const QMatrix& W, const void* x, int64_t ldx, int T, Act yt, void* y, int64_t ldy, bool qa8,
+                      int groups, cudaStream_t st, const uint32_t* staged, uint32_t* out_staged) {
   if (!st) st = stream_;
   if (T <= kGemvMaxT) {
     GemvOpts o = gemv_opts(qa8, groups, st);
     o.staged = staged;
+    o.out_staged = out_staged;
     gemv(W, act_, x, ldx, T, yt, y, ldy, o, st);
+    return out_staged && gemv_last_staged();
   } else {
     DSX_CHECK(st == stream_, "prefill products run on the session stream");
     GemmOpts o;
@@ -781,6 +789,7 @@ void CudaSession::lin(const QMatrix& W, const void* x, int64_t ldx, int T, Act y
     o.groups = groups;
     o.compute = act_;
     gemm(W, act_, x, ldx, T, yt, y, ldy, o, gemm_ws_, gemm_ws_bytes_, stream_);
+    return false;
   }
 }
 
@@ -1011,10 +1020,14 @@ void CudaSession::attention(int l, int T) {
   // q_norm, then wq_b (RoPE: in the attention, aa.q_inv_freq); the normalized rows land in
   // q_latn_ for the indexer. One token: the norm is done by wq_b's kernel while it stages
   // its input (GemvOpts::norm_w), which saves the norm's own launch.
+  bool q_staged = false;
   if (T <= kGemvMaxT) {
     GemvOpts o = gemv_opts(true, 1, stream_);
     o.norm_w = L.q_norm, o.norm_eps = c_.rms_eps, o.norm_out = q_latn_;
+    // (for idx_wq_b: the normalized row's QA8, staged by wq_b's block 0)
+    if (r > 0 && c_.is_index_source(l)) o.norm_staged = staged_x(xst_q_, T);
     gemv(L.wq_b, act_, q_lat_, ql, T, act_, q_, H * hd, o, stream_);
+    q_staged = o.norm_staged && gemv_last_staged();
   } else {
     rmsnorm(act_, q_lat_, q_latn_, L.q_norm, T, static_cast<int>(ql), c_.rms_eps, nullptr, nullptr, stream_);
     lin(L.wq_b, q_latn_, ql, T, act_, q_, H * hd, true);
@@ -1027,7 +1040,7 @@ void CudaSession::attention(int l, int T) {
     const int src = c_.kv_source_of(l);
     if (c_.is_index_source(l)) {
       const int64_t ih = c_.index_n_heads, ihd = c_.index_head_dim;
-      lin(L.idx_wq_b, q_latn_, ql, T, act_, idx_q_, ih * ihd, true);
+      lin(L.idx_wq_b, q_latn_, ql, T, act_, idx_q_, ih * ihd, true, 1, nullptr, q_staged ? xst_q_ : nullptr);
       rope_fq4e8(act_, idx_q_, idx_qf_, T, static_cast<int>(ih), static_cast<int>(ihd), np, m_.comp_inv_freq,
                  cache_.d_pos(), stream_);
       prof_.mark("indexer q/w", stream_);
@@ -1088,9 +1101,11 @@ void CudaSession::attention(int l, int T) {
   if (T > 1) window_store(chunk_, T, ring, cache_.geometry().window_cap(), cache_.d_pos(), stream_);
   prof_.mark("attention", stream_);
   // §3.4.8 grouped output projection, then wo_b
-  lin(L.wo_a, o_, H * hd, T, act_, zeta_, G * ol, false, static_cast<int>(G));
+  // (wo_a's epilogue stages QA8 of its output for wo_b when its plan allows)
+  const bool o_staged = lin(L.wo_a, o_, H * hd, T, act_, zeta_, G * ol, false, static_cast<int>(G), nullptr, nullptr,
+                            staged_x(xst_o_, T));
   prof_.mark("wo_a", stream_);
-  lin(L.wo_b, zeta_, G * ol, T, act_, y_, D, true);
+  lin(L.wo_b, zeta_, G * ol, T, act_, y_, D, true, 1, nullptr, o_staged ? xst_o_ : nullptr);
   prof_.mark("wo_b", stream_);
 }
 

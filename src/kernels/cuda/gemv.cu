@@ -179,6 +179,9 @@ struct MmaParams {
   float norm_eps;
   void* norm_out;
   const uint32_t* staged;  // GemvOpts::staged (one token, the shared-ring FP8 kernel only)
+  uint32_t* norm_staged;   // GemvOpts::norm_staged (block 0 copies its staged B)
+  uint32_t* out_staged;    // GemvOpts::out_staged (the K-split epilogue, pairs of tiles per block)
+  int64_t out_nb;          // 32-element blocks of the output row (all groups)
 };
 
 // U: spans in flight per lane (U KB per warp). Every warp walks the same number Pw of
@@ -259,6 +262,9 @@ __global__ void __launch_bounds__(kThreads, R ? 1 : 2) gemv_mma_kernel(const Mma
                                 p.prescale);
   }
   __syncthreads();
+  if (p.norm_staged && blockIdx.x == 0) {  // (T = 1, FP8 with the hardware order: try_launch_mma)
+    for (int i = threadIdx.x; i < p.NB * 17; i += blockDim.x) p.norm_staged[i] = bs[i];  // bs, then sas
+  }
   dev::pdl_launch_dependents();
   const uint32_t* bzero = reinterpret_cast<const uint32_t*>(s_zero);
 
@@ -315,6 +321,9 @@ __global__ void __launch_bounds__(kThreads, R ? 1 : 2) gemv_mma_kernel(const Mma
   }
   if constexpr (R) dev::cp_async_wait<0>();  // (only empty copies remain)
   if (p.KS > 1) {
+    // out_staged (T = 1, TPB even: a block's tiles of a round come in pairs, one QA8 block
+    // each): the rows' values as stored, kept for the pairs' quantization below
+    __shared__ float ysum[2 * kWarps * 16];
     __syncthreads();
     const int items = rounds * p.TPB * 16 * p.T;
     for (int i = threadIdx.x; i < items; i += blockDim.x) {
@@ -330,6 +339,20 @@ __global__ void __launch_bounds__(kThreads, R ? 1 : 2) gemv_mma_kernel(const Mma
         float sum = 0.f;
         for (int k2 = 0; k2 < p.KS; ++k2) sum += red[((static_cast<int64_t>(r) * kWarps + wr2 * p.KS + k2) * 16 + rl) * 8 + t];
         dev::store_act(p.y, p.yt, t * p.ldy + grow0 + row, sum);
+        if (p.out_staged) ysum[(r * p.TPB + wr2) * 16 + rl] = p.yt == 1 ? round_bf16(sum) : sum;
+      }
+    }
+    if (p.out_staged) {  // warp w: pairs w, w + 8, ... of (round, tile pair)
+      __syncthreads();
+      const int pairs = rounds * (p.TPB / 2);
+      for (int pi = warp; pi < pairs; pi += kWarps) {
+        const int r = pi / (p.TPB / 2), w0 = 2 * (pi % (p.TPB / 2));
+        const int64_t tile = bx * p.TPB + w0 + static_cast<int64_t>(r) * tile_step;  // even
+        if (tile >= p.n_tiles) continue;
+        const int64_t kb = (grow0 + tile * 16) / 32;
+        dev::stage_block_lanes<WFormat::FP8_BLOCK>(ysum[(r * p.TPB + w0) * 16 + lane], lane, p.out_staged + kb * 16,
+                                                   reinterpret_cast<float*>(p.out_staged + p.out_nb * 16) + kb,
+                                                   dev::fp8_mma_prescale<true>(), nullptr);
       }
     }
   }
@@ -383,6 +406,7 @@ bool gemv_trace() {
   return v;
 }
 thread_local const char* t_last_path = "";
+thread_local bool t_last_staged = false;
 
 struct MmaPlan {
   bool ok = false;
@@ -476,6 +500,10 @@ bool try_launch_mma(const MmaParams& base, int K, cudaStream_t stream, MmaTry& t
   p.TPB = pl.TPB;
   p.tstride = pl.NB;
   if (!(R && F == WFormat::FP8_BLOCK && HW && QA && p.T == 1 && p.G == 1 && !p.norm_w)) p.staged = nullptr;
+  const bool fp8_ring1 = R && F == WFormat::FP8_BLOCK && HW && p.T == 1;
+  if (!(fp8_ring1 && QA && p.norm_w)) p.norm_staged = nullptr;
+  if (!(fp8_ring1 && pl.KS > 1 && pl.TPB % 2 == 0 && pl.rounds <= 2 && p.N % 32 == 0)) p.out_staged = nullptr;
+  t_last_staged = (base.norm_staged == nullptr || p.norm_staged) && (base.out_staged == nullptr || p.out_staged);
   p.n_tiles = pl.n_tiles;
   p.ntg = pl.ntg;
   p.bpg = pl.bpg;
@@ -503,6 +531,9 @@ bool gemv_mma(const QMatrix& W, DType xt, const void* x, int64_t ldx, int T, DTy
   p.yt = static_cast<int>(yt);
   p.ldy = ldy;
   p.staged = qa8 && o.qblock == 32 && T == 1 ? o.staged : nullptr;
+  p.norm_staged = o.qblock == 32 ? o.norm_staged : nullptr;  // (QA8 of the consumer: 32-element blocks)
+  p.out_staged = o.qblock == 32 ? o.out_staged : nullptr;
+  p.out_nb = W.rows / 32;
   const int K = static_cast<int>(W.cols);
   if (o.norm_w) {  // the fused input norm: one token, QA8, one group (gemv falls back otherwise)
     if (T != 1 || !qa8 || o.groups != 1) return tr.no("input norm: one token with QA8 only");
@@ -717,6 +748,7 @@ void note_path(const QMatrix& W, DType xt, DType yt, int T, const GemvOpts& o, b
 }  // namespace
 
 const char* gemv_last_path() { return t_last_path; }
+bool gemv_last_staged() { return t_last_staged; }
 
 size_t gemv_split_ws_bytes(const QMatrix& W, int T, const GemvOpts& o) {
   const int G = o.groups;
@@ -727,6 +759,7 @@ size_t gemv_split_ws_bytes(const QMatrix& W, int T, const GemvOpts& o) {
 
 void gemv(const QMatrix& W, DType xt, const void* x, int64_t ldx, int T, DType yt, void* y, int64_t ldy,
           const GemvOpts& o, cudaStream_t stream) {
+  t_last_staged = o.norm_staged == nullptr && o.out_staged == nullptr;
   if (T <= 0 || W.rows <= 0) return;
   check_args(W, o);
   const int G = o.groups;

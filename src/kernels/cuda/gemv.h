@@ -54,7 +54,18 @@ struct GemvOpts {
   // copies it instead of staging x itself (x is then not read); the others ignore it. It
   // must be QA8 of exactly x.
   const uint32_t* staged = nullptr;
+  // Optional, T = 1: staged outputs for the next one-token FP8 consumer (GemvOpts::staged
+  // layout). norm_staged (with norm_w): QA8 of the normalized row; out_staged: QA8 of the
+  // output row y (of the activation type), 32-element blocks of the W.rows outputs (all
+  // groups). Written only when the one-token shared-ring kernel runs with a plan that can
+  // (gemv_last_staged says whether the last call did); a consumer must not use the buffer
+  // otherwise.
+  uint32_t* norm_staged = nullptr;
+  uint32_t* out_staged = nullptr;
 };
+
+// Whether the last gemv() call of this thread wrote the staged outputs it was given.
+bool gemv_last_staged();
 
 // 32-bit words of one token's staged activations in one B order (GemvOpts::staged),
 // rounded up to 16 bytes: K/32 blocks of 16 words and their K/32 scales. A producer that
