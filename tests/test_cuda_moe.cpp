@@ -381,20 +381,34 @@ TEST(CudaMoe, PrefillMatchesDecode) {
   }
 }
 
+namespace {
+// A random bf16 router gate [E, D] on the device and a constant bias.
+struct Gate {
+  DevMatrix dg;
+  DeviceBuffer db;
+};
+Gate make_gate(int E, int64_t D, std::mt19937_64& rng) {
+  twin::RandomSpec gs;
+  gs.sigma = 0.02f;
+  const twin::OwnedMatrix gate = twin::random_matrix(WFormat::BF16, E, D, 32, rng, gs);
+  const std::vector<float> bias(static_cast<size_t>(E), 0.01f);
+  Gate g{upload_matrix(gate.q), DeviceBuffer(bias.size() * 4)};
+  g.db.upload(bias.data(), bias.size() * 4);
+  return g;
+}
+}  // namespace
+
 TEST(CudaMoe, RouterFeedsDecode) {
   SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(35);
   const int E = 8, topk = 2, T = 4;
   const int64_t D = 256, I = 64;
   auto m = make_moe(E, D, I, true, 32, 32, false, rng);
-  twin::RandomSpec gs;
-  gs.sigma = 0.02f;
-  twin::OwnedMatrix gate = twin::random_matrix(WFormat::BF16, E, D, 32, rng, gs);
-  DevMatrix dg = upload_matrix(gate.q);
-  std::vector<float> bias(static_cast<size_t>(E), 0.01f);
-  DeviceBuffer db(bias.size() * 4), dz(static_cast<size_t>(T * E) * 4), di(static_cast<size_t>(T * topk) * 4),
+  Gate gt = make_gate(E, D, rng);
+  const DevMatrix& dg = gt.dg;
+  const DeviceBuffer& db = gt.db;
+  DeviceBuffer dz(static_cast<size_t>(T * E) * 4), di(static_cast<size_t>(T * topk) * 4),
       dw(static_cast<size_t>(T * topk) * 4);
-  db.upload(bias.data(), bias.size() * 4);
   for (DType mode : {DType::F32, DType::BF16}) {
     std::vector<float> x = twin::random_acts(T, D, rng, mode == DType::BF16, -2, 1);
     DeviceBuffer dx = upload_act(x, mode);
@@ -425,13 +439,10 @@ TEST(CudaMoe, RouterThenStagedDecode) {
   const int E = 384, topk = 6;
   const int64_t D = 512, I = 96;
   auto m = make_moe(E, D, I, true, 32, 32, false, rng);
-  twin::RandomSpec gs;
-  gs.sigma = 0.02f;
-  twin::OwnedMatrix gate = twin::random_matrix(WFormat::BF16, E, D, 32, rng, gs);
-  DevMatrix dg = upload_matrix(gate.q);
-  std::vector<float> bias(static_cast<size_t>(E), 0.01f);
-  DeviceBuffer db(bias.size() * 4), dz(static_cast<size_t>(E) * 4), di(topk * 4), dw(topk * 4);
-  db.upload(bias.data(), bias.size() * 4);
+  Gate gt = make_gate(E, D, rng);
+  const DevMatrix& dg = gt.dg;
+  const DeviceBuffer& db = gt.db;
+  DeviceBuffer dz(static_cast<size_t>(E) * 4), di(topk * 4), dw(topk * 4);
   std::vector<float> x = twin::random_acts(1, D, rng, true, -2, 1);
   const std::vector<uint32_t> st = staged_act_ref(x);
   DeviceBuffer dx = upload_act(x, DType::BF16), dst(st.size() * 4), dy(static_cast<size_t>(D) * 2),
