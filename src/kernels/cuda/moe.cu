@@ -618,11 +618,13 @@ struct DownStage {
 };
 
 // Up projection of one token: a persistent grid (resident blocks) walks the units
-// (shared-expert tiles first, then (slot, tile) of the routed experts) in strides of
-// the grid; a block stages the activation (QA8, in the B order of each format it meets)
-// once; its 8 warps stream w1 and w3 (quarters of D) of each unit, whose sums are added
-// in a fixed order, then SwiGLU and the routing weight. Shared memory: [rings | FP8 B |
-// scales | MXFP4 B | scales | partial sums per unit | arrival counter per unit].
+// (shared-expert tiles first, then (slot, tile) of the routed experts) in pairs, in
+// strides of the grid; a block stages the activation (QA8, in the B order of each format
+// it meets, or copies what its producer staged) once; its 8 warps stream w1 and w3
+// (quarters of D) of each unit, whose sums are added in a fixed order, then SwiGLU and
+// the routing weight, and QA8 of h is staged for the down kernel (DownStage). Shared
+// memory: [rings | FP8 B | scales | MXFP4 B | scales | partial sums per unit | arrival
+// counter per unit].
 template <int U>
 __global__ void __launch_bounds__(kThreads, 2) moe_up_ring_t1_kernel(const UpMmaParams p) {
   extern __shared__ __align__(128) uint4 smem_mma[];
