@@ -50,9 +50,9 @@ bool hc_off_branch() {
   return v;
 }
 
-// DSX_STAGED_X=0: the one-token consumers of the sites' normalized rows (wq_a, wkv, the
-// MoE up projection) quantize them themselves instead of copying the QA8 codes that
-// hc_finish stages for them
+// DSX_STAGED_X=0: the one-token consumers quantize their inputs themselves instead of
+// copying the QA8 codes their producers stage for them (hc_finish for wq_a, wkv and the
+// MoE up projection, wq_b for idx_wq_b, wo_a for wo_b)
 bool staged_x_enabled() {
   static const bool v = env_int("DSX_STAGED_X", 1) != 0;
   return v;
@@ -487,8 +487,8 @@ class CudaSession : public Session {
   bool lin(const QMatrix& W, const void* x, int64_t ldx, int T, Act yt, void* y, int64_t ldy, bool qa8,
            int groups = 1, cudaStream_t st = nullptr, const uint32_t* staged = nullptr,
            uint32_t* out_staged = nullptr);
-  // The sites' staged QA8 rows (hc_finish's `staged`) for a chunk of T tokens: null
-  // unless T = 1 (and DSX_STAGED_X is not 0).
+  // A staged-activation buffer (producer -> consumer QA8 codes) for a chunk of T tokens:
+  // null unless T = 1, QA8 blocks of 32 and DSX_STAGED_X is not 0.
   uint32_t* staged_x(uint32_t* buf, int T) const {
     return T == 1 && c_.quant_block == 32 && staged_x_enabled() ? buf : nullptr;
   }

@@ -499,8 +499,9 @@ bool try_launch_mma(const MmaParams& base, int K, cudaStream_t stream, MmaTry& t
   p.KS = pl.KS;
   p.TPB = pl.TPB;
   p.tstride = pl.NB;
-  if (!(R && F == WFormat::FP8_BLOCK && HW && QA && p.T == 1 && p.G == 1 && !p.norm_w)) p.staged = nullptr;
+  // staged activations: the one-token shared-ring FP8 kernel (hardware order) only
   const bool fp8_ring1 = R && F == WFormat::FP8_BLOCK && HW && p.T == 1;
+  if (!(fp8_ring1 && QA && p.G == 1 && !p.norm_w)) p.staged = nullptr;
   if (!(fp8_ring1 && QA && p.norm_w)) p.norm_staged = nullptr;
   if (!(fp8_ring1 && pl.KS > 1 && pl.TPB % 2 == 0 && pl.rounds <= 2 && p.N % 32 == 0)) p.out_staged = nullptr;
   t_last_staged = (base.norm_staged == nullptr || p.norm_staged) && (base.out_staged == nullptr || p.out_staged);

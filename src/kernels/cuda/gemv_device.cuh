@@ -735,6 +735,20 @@ __device__ __forceinline__ float block_inv_rms(const void* x, int xt, int n, flo
 // single pass (StageNorm::in_pass): one octet per thread.
 __device__ __forceinline__ bool norm_in_pass(int NB) { return NB * 4 <= static_cast<int>(blockDim.x); }
 
+// Where element e (0..7) of an octet lands in the octet's 4 staged words (stage_b_mma's
+// B orders; FP8 in the order of fp8_pair_of<HW>).
+template <WFormat F, bool HW>
+__device__ __forceinline__ void staged_pos(int e, int& word, int& half) {
+  if constexpr (F == WFormat::MXFP4) {
+    word = e & 3;
+    half = e >> 2;
+  } else {
+    int reg;
+    fp8_pair_of<HW>(e & 3, reg, half);
+    word = (e >> 2) * 2 + reg;
+  }
+}
+
 // A second destination of stage_b_mma: the MXFP4 B order of the same QA8 codes (the MoE
 // up kernel, whose blocks meet both formats: one quantization for both).
 struct StageAlso {
@@ -849,14 +863,7 @@ __device__ __forceinline__ void stage_b_mma(uint32_t* bs, float* sas, int tstrid
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
         int word, half;
-        if constexpr (F == WFormat::MXFP4) {
-          word = e & 3;
-          half = e >> 2;
-        } else {
-          int reg;
-          fp8_pair_of<HW>(e & 3, reg, half);
-          word = (e >> 2) * 2 + reg;
-        }
+        staged_pos<F, HW>(e, word, half);
         const uint16_t hb = static_cast<uint16_t>(ww[word] >> (16 * half));
         out[e] = __half2float(__ushort_as_half(hb)) * sc;
       }
@@ -869,20 +876,26 @@ __device__ __forceinline__ void stage_b_mma(uint32_t* bs, float* sas, int tstrid
 // it (the same amax, scale and e4m3 rounding, element by element), written to global
 // memory by a producer so that its consumer copies them instead of staging (the MoE down
 // projection's h). bs: the block's 16 words; *sas = scale * prescale (lane 0); fq (if
-// not null): this lane's fake-quantized value (stage_b_mma's fq).
+// not null): this lane's fake-quantized value (stage_b_mma's fq); mx (FP8 only, if not
+// null): also the MXFP4 order of the same codes (stage_b_mma's StageAlso; mx->bs and
+// mx->sas point at this block's words and scale).
 template <WFormat F>
 __device__ __forceinline__ void stage_block_lanes(float v, int lane, uint32_t* bs, float* sas, float prescale,
-                                                  float* fq) {
-  float m = fmaxf(0.f, fabsf(v));
-#pragma unroll
-  for (int off = 16; off >= 1; off >>= 1) m = fmaxf(m, __shfl_xor_sync(kFull, m, off));
-  const float sc = qa8_scale(m);
+                                                  float* fq, const StageAlso* mx = nullptr) {
+  static_assert(F == WFormat::FP8_BLOCK || F == WFormat::MXFP4, "QA8 staging orders");
+  const float sc = qa8_scale(warp_max(fmaxf(0.f, fabsf(v))));
   const uint16_t code = static_cast<uint16_t>(e4m3_pair_f16(v * pow2_recip(sc), 0.f));
-  const int sub = lane >> 3, e = lane & 7;
-  const int word = F == WFormat::MXFP4 ? (e & 3) : (e >> 1), half = F == WFormat::MXFP4 ? (e >> 2) : (e & 1);
+  const int sub = lane >> 3;
+  int word, half;
+  staged_pos<F, true>(lane & 7, word, half);
   reinterpret_cast<uint16_t*>(bs + sub * 4 + word)[half] = code;
   if (lane == 0) *sas = sc * prescale;
   if (fq) *fq = __half2float(__ushort_as_half(code)) * sc;
+  if (F == WFormat::FP8_BLOCK && mx) {
+    staged_pos<WFormat::MXFP4, true>(lane & 7, word, half);
+    reinterpret_cast<uint16_t*>(mx->bs + sub * 4 + word)[half] = code;
+    if (lane == 0) *mx->sas = sc * mx->prescale;
+  }
 }
 
 // Copy `words` 32-bit words (both ends 16-byte aligned) from global memory written by the

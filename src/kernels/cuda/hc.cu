@@ -375,11 +375,13 @@ __global__ void __launch_bounds__(kFinishThreads) hc_finish_kernel(const FinishP
     if (lane == 0) p.qs[t * (p.D / 32) + d / 32] = q.scale;
   }
   if (p.staged) {  // (T = 1) a warp holds one 32-element block: element = lane
-    const int64_t kb = d / 32, nb = p.D / 32, mx = staged_act_words(p.D);
+    const int64_t kb = d / 32, nb = p.D / 32, w4 = staged_act_words(p.D);
+    StageAlso mx;  // (the MXFP4 order, after the FP8 one)
+    mx.bs = p.staged + w4 + kb * 16;
+    mx.sas = reinterpret_cast<float*>(p.staged + w4 + nb * 16) + kb;
+    mx.prescale = kMx4MmaPrescale;
     stage_block_lanes<WFormat::FP8_BLOCK>(v, lane, p.staged + kb * 16, reinterpret_cast<float*>(p.staged + nb * 16) + kb,
-                                          fp8_mma_prescale<true>(), nullptr);
-    stage_block_lanes<WFormat::MXFP4>(v, lane, p.staged + mx + kb * 16,
-                                      reinterpret_cast<float*>(p.staged + mx + nb * 16) + kb, kMx4MmaPrescale, nullptr);
+                                          fp8_mma_prescale<true>(), nullptr, &mx);
   }
 }
 

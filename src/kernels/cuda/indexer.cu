@@ -17,11 +17,11 @@ using namespace dev;
 namespace {
 
 // Scoring blocks: TH threads x RPT rows per thread. Short row lists (decode at a few
-// thousand compressed rows) use 128 threads for 32 rows for up to kSplitMaxT queries (the
-// heads split over 4 threads per row, see kGroups), else 64 x 1, so the work spreads over
-// the SMs (128 x 2 put 8192 rows on 33
-// SMs: 21 us in the H200 decode graph, 64 x 1: 13 us); long ones 128 x 2, which stages q
-// once per 256 rows. Each (row, head) dot product is the same sequential chain either way.
+// thousand compressed rows) spread the work over the SMs: 128 threads for 32 rows for up
+// to kSplitMaxT queries (the heads split over 4 threads per row, see kGroups), else 64 x 1
+// (128 x 2 put 8192 rows on 33 SMs: 21 us in the H200 decode graph, 64 x 1: 13 us); long
+// ones 128 x 2, which stages q once per 256 rows. Each (row, head) dot product is the same
+// sequential chain either way.
 
 // 32 FQ4e8 key values of one scale block: 16 packed bytes + one ue8m0 byte.
 __device__ __forceinline__ void decode32(const uint8_t* __restrict__ p, uint32_t sbyte, float* out) {
@@ -36,9 +36,9 @@ __device__ __forceinline__ void decode32(const uint8_t* __restrict__ p, uint32_t
 
 // kGroups > 1 (short row lists): the heads of a row are split over kGroups threads (H /
 // kGroups heads each; lanes l, l + 32 / kGroups, ... of a warp hold a row's groups, so
-// the lanes of a quarter warp read one q address), which puts kGroups times more warps on the SMs:
-// with one thread per row the 64-thread blocks issued one instruction per ~3 cycles per
-// warp with ~2 warps per SM (ncu, 14 us at 8k rows). The per-head dot products are the
+// the lanes of a quarter warp read one q address), which puts kGroups times more warps
+// on the SMs: with one thread per row the 64-thread blocks issued one instruction per ~3
+// cycles per warp with ~2 warps per SM (ncu, 14 us at 8k rows). The per-head dot products are the
 // same chains; the head terms are gathered by shuffles and added in head order, as before.
 template <typename T, int H, int kThreads, int kRowsPerThread, int kGroups = 1>
 __global__ void __launch_bounds__(kThreads) indexer_scores_kernel(
@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(kThreads) indexer_scores_kernel(
     const int32_t* __restrict__ cand_count, int cbs, float* __restrict__ scores, int64_t ld_scores,
     int32_t* __restrict__ counts, const int64_t* __restrict__ d_pos, float softmax_scale, float heads_scale,
     float weight_factor) {
-  static_assert(kGroups == 1 || kGroups == 2 || kGroups == 4, "head groups: 1, 2 or 4 (lanes l + 8 g)");
+  static_assert(kGroups == 1 || kGroups == 2 || kGroups == 4, "head groups: 1, 2 or 4 (lanes l + (32 / kGroups) g)");
   static_assert(H % kGroups == 0, "heads split evenly");
   constexpr int HG = H / kGroups;                      // heads of a thread
   constexpr int kRowThreads = kThreads / kGroups;       // row slots per pass
