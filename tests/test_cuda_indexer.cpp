@@ -499,4 +499,56 @@ TEST(CudaIndexer, Benchmark300k) {
   cudaEventDestroy(e1);
 }
 
+// The decode top-k (n = 8192, k = 512, the one-CTA kernel) on score rows of different
+// shapes, checked against the twin and timed (print only): rows whose scores crowd a few
+// histogram bins (the same shared-memory counters) take as long as spread ones (~12 us
+// on the H200).
+TEST(CudaTopk, BenchmarkDistributions) {
+  SKIP_WITHOUT_GPU();
+  Rng rng(57);
+  const int64_t n = 8192;
+  const int k = 512;
+  cudaEvent_t e0, e1;
+  DSX_CUDA_CHECK(cudaEventCreate(&e0));
+  DSX_CUDA_CHECK(cudaEventCreate(&e1));
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::uniform_real_distribution<float> ud(0.0f, 1.0f);
+  for (int style = 0; style < 5; ++style) {
+    std::vector<float> s(static_cast<size_t>(n));
+    const char* name = "";
+    for (auto& v : s) {
+      switch (style) {
+        case 0: v = nd(rng), name = "normal(0, 1)"; break;
+        case 1: v = 5.0f + 0.01f * nd(rng), name = "normal(5, 0.01)"; break;
+        case 2: v = 1.0f + ud(rng) / 256.0f, name = "1 + U(0, 1/256)"; break;
+        case 3: v = static_cast<float>(rng() % 16), name = "16 levels"; break;
+        default: v = std::fabs(nd(rng)) * 1e-3f + 100.0f, name = "100 + |N| 1e-3"; break;
+      }
+    }
+    const int64_t nn = static_cast<int64_t>(s.size());
+    std::vector<int32_t> cnt{static_cast<int32_t>(nn)};
+    DeviceBuffer ds = upload_vec(s), dc = upload_vec(cnt), dout(k * 4), dcnt(4);
+    auto run = [&] {
+      cuda::topk_select(1, ds.as<float>(), nn, dc.as<int32_t>(), k, nullptr, 0, 1, dout.as<int32_t>(), k,
+                        dcnt.as<int32_t>(), nullptr, nn);
+    };
+    run();
+    DSX_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<int32_t> want = twin::topk_finite(s.data(), nn, k);
+    std::vector<int32_t> got = download_vec<int32_t>(dout, want.size());
+    EXPECT_EQ(got, want) << name;
+    const int iters = 50;
+    DSX_CUDA_CHECK(cudaEventRecord(e0));
+    for (int i = 0; i < iters; ++i) run();
+    DSX_CUDA_CHECK(cudaEventRecord(e1));
+    DSX_CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    DSX_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    std::printf("[          ] topk n=%lld k=%d scores %s: %.1f us\n", static_cast<long long>(nn), k, name,
+                1000.0 * ms / iters);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+}
+
 #endif  // DSX_HAVE_CUDA

@@ -599,6 +599,8 @@ class CudaSession : public Session {
 
 CudaSession::CudaSession(const DeviceModel& m, const EngineOptions& o)
     : m_(m), c_(m.cfg), act_(m.act), ab_(act_bytes(m.act)) {
+  if (std::getenv("DSX_TRACE") && !trace_enable())
+    std::fprintf(stderr, "# DSX_TRACE: this build records no kernel timeline (configure with -DDSX_KERNEL_TRACE=ON)\n");
   DSX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   for (auto& sd : side_) DSX_CUDA_CHECK(cudaStreamCreateWithFlags(&sd, cudaStreamNonBlocking));
   DSX_CUDA_CHECK(cudaEventCreateWithFlags(&ev_fork_, cudaEventDisableTiming));
@@ -742,6 +744,7 @@ CudaSession::CudaSession(const DeviceModel& m, const EngineOptions& o)
 }
 
 CudaSession::~CudaSession() {
+  if (const char* tp = std::getenv("DSX_TRACE")) trace_dump(tp);
   if (graph_timing_ && graph_runs_ > 0)
     std::fprintf(stderr, "# DSX_GRAPH_TIMING: %d decode steps, graph %.3f ms/step on the device, %.3f ms/step wall (feed)\n",
                  graph_runs_, graph_ms_ / graph_runs_, step_wall_ms_ / graph_runs_);

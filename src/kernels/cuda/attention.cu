@@ -320,10 +320,93 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const P* ptr) {
                : "r"(a));
 }
 
+// The tensor-core kernel copies a chunk's raw rows into shared memory with cp.async
+// (all of them in flight at once, overlapping the queries' load and RoPE), then decodes
+// them there: two dependent global round trips per chunk (the selected rows' ids, then
+// the rows) instead of two per batch of 8 items per thread (the rows were ~60 % of the
+// kernel's time in decode). Needs HD % 128 == 0 (whole 4-byte pieces of scales).
+template <int HD>
+constexpr bool kAsyncRows = HD % 128 == 0;
+template <int HD>
+constexpr int kRawRow = HD + HD / 16;  // bytes per row slot: codes, then scales
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
+}
+
+// Issues the copies of list entries c0 .. c0+nr-1 of query t into raw_s (slot r: the
+// codes, then the scales at byte HD; window rows FP8 + e8m0, selected rows FP4 + e4m3);
+// ids_s holds the selected rows' ids (read by the caller before its barrier).
+template <int HD, int NT>
+__device__ __forceinline__ void copy_rows_async(const AttnParams& p, int c0, int nr, int nw, int64_t lo_w, int64_t p0,
+                                                const int32_t* ids_s, uint8_t* raw_s) {
+  constexpr int PPR = HD / 16 + HD / 128;  // pieces of a window row (16-byte codes, 4-byte scales)
+  for (int g = threadIdx.x; g < nr * PPR; g += NT) {
+    const int r = g / PPR, k = g - r * PPR, li = c0 + r;
+    uint8_t* dst = raw_s + r * kRawRow<HD>;
+    if (li < nw) {
+      const int64_t wp = lo_w + li;
+      const bool in_chunk = wp >= p0;
+      const int64_t slot = in_chunk ? wp - p0 : wp % p.ring_cap;
+      const uint8_t* codes = (in_chunk ? p.chunk_codes : p.ring_codes) + slot * HD;
+      const uint8_t* scales = (in_chunk ? p.chunk_scales : p.ring_scales) + slot * (HD / 32);
+      if (k < HD / 16) cp_async16(dst + 16 * k, codes + 16 * k);
+      else cp_async4(dst + HD + 4 * (k - HD / 16), scales + 4 * (k - HD / 16));
+    } else {
+      const int64_t j = ids_s[r];
+      if (k < HD / 32) cp_async16(dst + 16 * k, p.cmp_packed + j * (HD / 2) + 16 * k);
+      else if (k < HD / 32 + HD / 64) cp_async4(dst + HD + 4 * (k - HD / 32), p.cmp_scales + j * (HD / 16) + 4 * (k - HD / 32));
+    }
+  }
+}
+
+// Decodes the rows copied by copy_rows_async into kv_s (bf16, exact, as decode_rows);
+// rows nr .. kC-1 are zero-filled.
+template <int HD, int NT>
+__device__ __forceinline__ void convert_rows(const uint8_t* raw_s, int c0, int nr, int nw, bf16* kv_s, int ks) {
+  constexpr int OCT = HD / 8;
+  for (int g = threadIdx.x; g < kC * OCT; g += NT) {
+    const int r = g / OCT, e8 = g - r * OCT;
+    uint4 u = make_uint4(0u, 0u, 0u, 0u);
+    if (r < nr) {
+      const uint8_t* src = raw_s + r * kRawRow<HD>;
+      float v[8];
+      if (c0 + r < nw) {
+        const uint2 raw = *reinterpret_cast<const uint2*>(src + e8 * 8);
+        const float s = e8m0_dev(src[HD + e8 / 4]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          v[i] = e4m3_dev((raw.x >> (8 * i)) & 255u) * s;
+          v[4 + i] = e4m3_dev((raw.y >> (8 * i)) & 255u) * s;
+        }
+      } else {
+        const uint32_t raw = *reinterpret_cast<const uint32_t*>(src + e8 * 4);
+        const float s = e4m3_dev(src[HD + e8 / 2]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = e2m1_dev((raw >> (4 * i)) & 15u) * s;
+      }
+      u.x = pack_bf16x2(v[0], v[1]);
+      u.y = pack_bf16x2(v[2], v[3]);
+      u.z = pack_bf16x2(v[4], v[5]);
+      u.w = pack_bf16x2(v[6], v[7]);
+    }
+    *reinterpret_cast<uint4*>(kv_s + r * ks + e8 * 8) = u;
+  }
+}
+
 template <int HD>
 constexpr size_t attn_mma_smem_bytes() {
   return static_cast<size_t>(2) * 16 * (HD + 8) + static_cast<size_t>(2) * kC * (HD + 8) +
-         static_cast<size_t>(2) * 16 * (kC + 8) + static_cast<size_t>(4) * 16 * kC + static_cast<size_t>(4) * 3 * 16;
+         static_cast<size_t>(2) * 16 * (kC + 8) + static_cast<size_t>(4) * 16 * kC + static_cast<size_t>(4) * 3 * 16 +
+         (kAsyncRows<HD> ? static_cast<size_t>(kC) * kRawRow<HD> + 4 * kC : 0);
 }
 
 template <int HD>
@@ -340,6 +423,8 @@ __global__ void __launch_bounds__(128) attn_mma_kernel(AttnParams p) {
   float* m_s = s_s + 16 * kC;
   float* l_s = m_s + 16;
   float* al_s = l_s + 16;
+  uint8_t* raw_s = reinterpret_cast<uint8_t*>(al_s + 16);  // (kAsyncRows) raw rows of a chunk
+  int32_t* ids_s = reinterpret_cast<int32_t*>(raw_s + kC * kRawRow<HD>);
 
   const int t = blockIdx.z, hg = blockIdx.y, split = blockIdx.x, S = gridDim.x;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gid = lane >> 2, tig = lane & 3;
@@ -354,6 +439,13 @@ __global__ void __launch_bounds__(128) attn_mma_kernel(AttnParams p) {
   const int R = (N + S - 1) / S;
   const int rb = split * R, re = min(N, rb + R);
 
+  // the ids of a chunk's selected rows (one load per row), then its rows in flight
+  auto issue_chunk = [&](int c0) {
+    const int nr = min(kC, re - c0);
+    if (tid < nr && c0 + tid >= nw) ids_s[tid] = p.sel[static_cast<int64_t>(t) * p.sel_ld + (c0 + tid - nw)];
+    __syncthreads();
+    copy_rows_async<HD, 128>(p, c0, nr, nw, lo_w, p0, ids_s, raw_s);
+  };
   const bf16* qg = static_cast<const bf16*>(p.q) + (static_cast<int64_t>(t) * p.H + hg * 16) * HD;
   {  // all of a thread's loads in flight at once (HD / 64 per thread), then the stores
     constexpr int QI = 16 * (HD / 8) / 128;
@@ -363,6 +455,9 @@ __global__ void __launch_bounds__(128) attn_mma_kernel(AttnParams p) {
       const int i = tid + u * 128, h = i / (HD / 8), c = i - h * (HD / 8);
       v[u] = *reinterpret_cast<const uint4*>(qg + h * HD + c * 8);
     }
+    // (the first chunk's rows load while the queries are stored and rotated)
+    if constexpr (kAsyncRows<HD>)
+      if (rb < re) issue_chunk(rb);
 #pragma unroll
     for (int u = 0; u < QI; ++u) {
       const int i = tid + u * 128, h = i / (HD / 8), c = i - h * (HD / 8);
@@ -398,7 +493,14 @@ __global__ void __launch_bounds__(128) attn_mma_kernel(AttnParams p) {
   for (int c0 = rb; c0 < re; c0 += kC) {
     const int nr = min(kC, re - c0);
     __syncthreads();
-    decode_rows<HD, 128>(p, t, c0, nr, nw, lo_w, p0, kv_s, QS, true);
+    if constexpr (kAsyncRows<HD>) {
+      if (c0 != rb) issue_chunk(c0);
+      cp_async_wait_all();
+      __syncthreads();
+      convert_rows<HD, 128>(raw_s, c0, nr, nw, kv_s, QS);
+    } else {
+      decode_rows<HD, 128>(p, t, c0, nr, nw, lo_w, p0, kv_s, QS, true);
+    }
     __syncthreads();
     // S tile of this warp: 16 heads x key rows 8w .. 8w+7
     float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -544,8 +646,8 @@ __global__ void __launch_bounds__(HD) attn_combine_kernel(int H, int S, const fl
   __shared__ float cs[2 * (HD / 2)];       // inverse-RoPE cos / sin per pair
   __shared__ float den_s;
   const int h = blockIdx.x, t = blockIdx.y, d = threadIdx.x;
+  dev::pdl_launch_dependents();  // (wo_a's blocks launch meanwhile; its weights stream before its wait)
   dev::pdl_wait();  // the split results come from the attention kernel
-  dev::pdl_launch_dependents();
   const float* w0 = work + (static_cast<int64_t>(t) * S * H + h) * (HD + 2);
   const int64_t sstride = static_cast<int64_t>(H) * (HD + 2);
   // The split maxima and denominators are read once (warp 0), not by every thread, and

@@ -1,9 +1,11 @@
 #include "kernels/cuda/cuda_util.h"
 
+#include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <vector>
 
 namespace dsx::cuda {
 
@@ -20,6 +22,44 @@ bool device_available() {
 int env_int(const char* name, int dflt) {
   const char* v = std::getenv(name);
   return (v && *v) ? std::atoi(v) : dflt;
+}
+
+namespace {
+std::vector<void (*)(TraceRec*, unsigned*)>& trace_setters() {
+  static std::vector<void (*)(TraceRec*, unsigned*)> v;
+  return v;
+}
+TraceRec* g_trace_buf = nullptr;
+unsigned* g_trace_n = nullptr;
+}  // namespace
+
+void trace_add_setter(void (*f)(TraceRec*, unsigned*)) { trace_setters().push_back(f); }
+
+bool trace_enable() {
+  if (trace_setters().empty()) return false;
+  if (!g_trace_buf) {
+    DSX_CUDA_CHECK(cudaMalloc(&g_trace_buf, sizeof(TraceRec) * kTraceCap));
+    DSX_CUDA_CHECK(cudaMalloc(&g_trace_n, sizeof(unsigned)));
+    DSX_CUDA_CHECK(cudaMemset(g_trace_buf, 0, sizeof(TraceRec) * kTraceCap));
+    DSX_CUDA_CHECK(cudaMemset(g_trace_n, 0, sizeof(unsigned)));
+    for (auto f : trace_setters()) f(g_trace_buf, g_trace_n);
+    DSX_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  return true;
+}
+
+void trace_dump(const char* path) {
+  if (!g_trace_buf) return;
+  DSX_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<TraceRec> recs(kTraceCap);
+  unsigned n = 0;
+  DSX_CUDA_CHECK(cudaMemcpy(recs.data(), g_trace_buf, sizeof(TraceRec) * kTraceCap, cudaMemcpyDeviceToHost));
+  DSX_CUDA_CHECK(cudaMemcpy(&n, g_trace_n, sizeof n, cudaMemcpyDeviceToHost));
+  FILE* f = std::fopen(path, "wb");
+  DSX_CHECK(f, "DSX_TRACE: cannot write ", path);
+  const bool ok = std::fwrite(&n, sizeof n, 1, f) == 1 && std::fwrite(recs.data(), sizeof(TraceRec), recs.size(), f) == recs.size();
+  std::fclose(f);
+  DSX_CHECK(ok, "DSX_TRACE: short write to ", path);
 }
 
 void* persistent_scratch(const void* owner, int tag, size_t bytes, cudaStream_t stream) {

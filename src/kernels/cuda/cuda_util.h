@@ -28,6 +28,21 @@ bool device_available();
 // dflt when it is unset or empty. Callers read a switch once and cache it.
 int env_int(const char* name, int dflt);
 
+// Kernel timeline, a development aid of builds configured with -DDSX_KERNEL_TRACE=ON (off by
+// default; no cost otherwise): thread 0 of block 0 of every kernel that calls dev::pdl_wait
+// records when it reached the wait and when the wait returned (%globaltimer ns), with its
+// grid (x | y << 16) and block size, into a ring of kTraceCap records. DSX_TRACE=file makes
+// a CUDA session enable it and write the ring when it ends (a u32 count of records
+// written, then the kTraceCap records); tools/trace_timeline.py prints the timeline.
+struct TraceRec {
+  unsigned long long t_wait, t_done;
+  unsigned grid, block;
+};
+constexpr unsigned kTraceCap = 1u << 15;
+void trace_add_setter(void (*f)(TraceRec*, unsigned*));
+bool trace_enable();  // false when the build records nothing
+void trace_dump(const char* path);
+
 // A zeroed device scratch of `bytes`, one per (device, owner, tag), kept for the life of
 // the process: the state of kernels that leave it as they found it (the ticket counters
 // of "the last block combines" reductions; calls for one owner are ordered on one

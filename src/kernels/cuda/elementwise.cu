@@ -95,6 +95,7 @@ __global__ void rope_fq4e8_kernel(const T* __restrict__ in, float* __restrict__ 
                                   const float* __restrict__ inv_freq, const int64_t* __restrict__ d_pos) {
   const int64_t vec = blockIdx.x;  // row * heads + head
   const int d = threadIdx.x;
+  pdl_launch_dependents();  // (the indexer's blocks launch meanwhile; they wait for all of this)
   pdl_wait();  // in, d_pos come from the previous kernels (programmatic dependent launch)
   const float pos = static_cast<float>(*d_pos + vec / heads);
   float v = ld(in, vec * hd + d);

@@ -69,8 +69,10 @@ __global__ void __launch_bounds__(32 * kNarrowWarps) hc_pass_narrow_kernel(const
 #pragma unroll
       for (int m = 0; m < kM; ++m) ph[o][m] = f[o * F + m * D];
   }
-  pdl_wait();  // X, y, post, comb, pre come from the previous kernels
+  // (dependents launch early: this kernel reads no weights after the wait and they
+  // wait for all of it; their weights may stream meanwhile)
   pdl_launch_dependents();
+  pdl_wait();  // X, y, post, comb, pre come from the previous kernels
 
   T* Xt = static_cast<T*>(p.X) + static_cast<int64_t>(t) * F;
   float x[kM], pr[kM];
@@ -161,8 +163,8 @@ __global__ void __launch_bounds__(kWide) hc_pass_wide_kernel(const PassParams p)
 #pragma unroll
       for (int m = 0; m < kM; ++m) ph[o][m] = fn[o * F + m * D + d];
   }
-  pdl_wait();
   pdl_launch_dependents();
+  pdl_wait();
   for (int tt = 0; tt < TT; ++tt) {
     const int t = blockIdx.y * TT + tt;
     if (t >= p.T) break;  // uniform across the block
@@ -304,8 +306,8 @@ __global__ void __launch_bounds__(kFinishThreads) hc_finish_kernel(const FinishP
     const float b_pre = p.base[lane & (kM - 1)], b_post = p.base[kM + (lane & (kM - 1))];
     const float b_comb = p.base[2 * kM + e];
     const float a0 = p.scale[0], a1 = p.scale[1], a2 = p.scale[2];
-    pdl_wait();
     pdl_launch_dependents();
+    pdl_wait();
     if (warp < kFinishWarps - 1) {  // z rows [8 warp, 8 warp + 8)
       float zs[kZPerWarp];
       sum_partials<kZPerWarp>(p.wz + (static_cast<int64_t>(t) * kHcMix + warp * kZPerWarp) * p.ns, p.ns, p.ns, zs);
@@ -360,8 +362,8 @@ __global__ void __launch_bounds__(kFinishThreads) hc_finish_kernel(const FinishP
   // RMSNorm block
   const int64_t d = static_cast<int64_t>(blockIdx.x - p.mix_blocks) * kFinishThreads + threadIdx.x;
   const float wv = p.w[d];  // weight, read before the wait
-  pdl_wait();
   pdl_launch_dependents();
+  pdl_wait();
   const int64_t row = static_cast<int64_t>(t) * p.D;
   const float c = ld(static_cast<const T*>(p.collapsed), row + d);
   double ss[1];

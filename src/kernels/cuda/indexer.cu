@@ -55,6 +55,7 @@ __global__ void __launch_bounds__(kThreads) indexer_scores_kernel(
   __shared__ float w_s[H];
   constexpr bool kBf16 = !std::is_same<T, float>::value;
   const int t = blockIdx.y;
+  pdl_launch_dependents();  // (the top-k launches meanwhile and waits for all of this kernel)
   pdl_wait();  // q, w, the keys and d_pos come from earlier kernels (programmatic dependent launch)
   const int64_t p0 = *d_pos;
   const int64_t n_vis = (p0 + t + 1) / r;

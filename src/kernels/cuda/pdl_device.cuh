@@ -3,12 +3,37 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include "kernels/cuda/cuda_util.h"
+
 namespace dsx::cuda::dev {
+
+#if defined(DSX_KERNEL_TRACE)
+// Kernel timeline (trace_enable in cuda_util.h): one ring per translation unit's symbols,
+// all pointing to the same device buffer.
+static __constant__ TraceRec* g_trace_buf;
+static __constant__ unsigned* g_trace_n;
+
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+#endif
 
 // Waits until the previous kernel of the stream has completed and its writes are visible.
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(DSX_KERNEL_TRACE)
+  const bool rec = g_trace_buf && (blockIdx.x | blockIdx.y | blockIdx.z | threadIdx.x | threadIdx.y) == 0;
+  const unsigned long long t0 = rec ? global_ns() : 0ull;
+#endif
   asm volatile("griddepcontrol.wait;" ::: "memory");
+#if defined(DSX_KERNEL_TRACE)
+  if (rec) {
+    const unsigned i = atomicAdd(g_trace_n, 1u) & (kTraceCap - 1);
+    g_trace_buf[i] = TraceRec{t0, global_ns(), gridDim.x | (gridDim.y << 16), blockDim.x};
+  }
+#endif
 #endif
 }
 // Lets the next kernel of the stream start launching (it still waits in pdl_wait).
@@ -19,3 +44,14 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 }
 
 }  // namespace dsx::cuda::dev
+
+#if defined(DSX_KERNEL_TRACE)
+namespace {
+// Points this translation unit's trace symbols at the shared buffer (registered once).
+[[maybe_unused]] void dsx_trace_set_tu(dsx::cuda::TraceRec* buf, unsigned* n) {
+  cudaMemcpyToSymbol(dsx::cuda::dev::g_trace_buf, &buf, sizeof buf);
+  cudaMemcpyToSymbol(dsx::cuda::dev::g_trace_n, &n, sizeof n);
+}
+[[maybe_unused]] const int dsx_trace_registered = (dsx::cuda::trace_add_setter(&dsx_trace_set_tu), 0);
+}  // namespace
+#endif

@@ -313,6 +313,7 @@ __global__ void __launch_bounds__(kSmallThreads)
   __shared__ uint32_t wsum[32];
   __shared__ uint32_t s_bucket, s_krem, s_total;
   const int t = blockIdx.x;
+  dev::pdl_launch_dependents();  // (the attention's blocks launch meanwhile and wait for the selection)
   dev::pdl_wait();  // scores and counts come from the previous kernel (programmatic dependent launch)
   const int n = static_cast<int>(min(static_cast<int64_t>(counts[t] > 0 ? counts[t] : 0), kSmallN));  // (host bound)
   const float* s = scores + static_cast<int64_t>(t) * ld;

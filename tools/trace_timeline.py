@@ -1,0 +1,48 @@
+#!/usr/bin/env python3
+"""Prints the kernel timeline written by DSX_TRACE=file (builds with -DDSX_KERNEL_TRACE=ON).
+
+Each record is one kernel launch that called dev::pdl_wait: thread 0 of block 0 noted when
+it reached the wait ("wait at") and when the wait returned ("done", i.e. when the previous
+kernel of its stream had completed), in microseconds from the first record shown. "step" is
+the time since the previous record's "done": along one stream it is the previous kernel's
+time on the critical path. Usage: trace_timeline.py FILE [--last N]
+"""
+import struct
+import sys
+
+
+def main():
+    args = sys.argv[1:]
+    if not args:
+        sys.exit(__doc__)
+    last = 400
+    if "--last" in args:
+        i = args.index("--last")
+        last = int(args[i + 1])
+        del args[i:i + 2]
+    data = open(args[0], "rb").read()
+    rec = 24
+    n = struct.unpack_from("<I", data, 0)[0]
+    cap = (len(data) - 4) // rec
+    if cap <= 0:
+        sys.exit("trace_timeline: no records in " + args[0])
+    count = min(n, cap)
+    recs = [struct.unpack_from("<QQII", data, 4 + rec * (i % cap)) for i in range(n - count, n)]
+    recs.sort(key=lambda r: r[1])
+    recs = recs[-last:]
+    if not recs:
+        return
+    t0 = recs[0][1]
+    prev = t0
+    print("  grid (x x y)  block    wait at      done     step   (us)")
+    for t_wait, t_done, grid, block in recs:
+        print(f"{grid & 0xffff:6d} x {grid >> 16:<4d} {block:5d} {(t_wait - t0) / 1e3:10.2f} {(t_done - t0) / 1e3:9.2f}"
+              f" {(t_done - prev) / 1e3:8.2f}")
+        prev = t_done
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BrokenPipeError:  # (piped into head)
+        pass
