@@ -67,6 +67,38 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float a, float b) {
   return (__float_as_uint(a) >> 16) | (__float_as_uint(b) & 0xffff0000u);
 }
 
+// The codes and scales of window row li of a query (position lo_w + li): this call's
+// chunk holds positions from p0 on, the ring the older ones.
+template <int HD>
+__device__ __forceinline__ void window_row(const AttnParams& p, int64_t lo_w, int li, int64_t p0, const uint8_t*& codes,
+                                           const uint8_t*& scales) {
+  const int64_t wp = lo_w + li;
+  const bool in_chunk = wp >= p0;
+  const int64_t slot = in_chunk ? wp - p0 : wp % p.ring_cap;
+  codes = (in_chunk ? p.chunk_codes : p.ring_codes) + slot * HD;
+  scales = (in_chunk ? p.chunk_scales : p.ring_scales) + slot * (HD / 32);
+}
+
+// Eight elements of a row as bf16 (exact): a window row's FP8 codes (raw) with their e8m0
+// scale byte, or a selected row's FP4 codes (raw.x) with their e4m3 scale byte.
+__device__ __forceinline__ uint4 decode_item(bool window, uint2 raw, uint32_t sbyte) {
+  float v[8];
+  if (window) {
+    const float s = e8m0_dev(sbyte);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[i] = e4m3_dev((raw.x >> (8 * i)) & 255u) * s;
+      v[4 + i] = e4m3_dev((raw.y >> (8 * i)) & 255u) * s;
+    }
+  } else {
+    const float s = e4m3_dev(sbyte);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = e2m1_dev((raw.x >> (4 * i)) & 15u) * s;
+  }
+  return make_uint4(pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]), pack_bf16x2(v[4], v[5]),
+                    pack_bf16x2(v[6], v[7]));
+}
+
 // Decodes list entries c0 .. c0+nr-1 of query t (window rows, then selected compressed
 // rows) into kv_s (bf16, exact; row stride ks elements). With zero_tail, rows nr .. kC-1
 // are zero-filled (the tensor-core kernel multiplies them by zero probabilities).
@@ -99,11 +131,8 @@ __device__ __forceinline__ void decode_rows(const AttnParams& p, int t, int c0, 
       raw[it] = make_uint2(0u, 0u);
       sc[it] = 0u;
       if (live && li < nw) {
-        const int64_t wp = lo_w + li;
-        const bool in_chunk = wp >= p0;
-        const int64_t slot = in_chunk ? wp - p0 : wp % p.ring_cap;
-        const uint8_t* codes = (in_chunk ? p.chunk_codes : p.ring_codes) + slot * HD;
-        const uint8_t* scales = (in_chunk ? p.chunk_scales : p.ring_scales) + slot * (HD / 32);
+        const uint8_t *codes, *scales;
+        window_row<HD>(p, lo_w, li, p0, codes, scales);
         raw[it] = *reinterpret_cast<const uint2*>(codes + e8 * 8);
         sc[it] = scales[e8 / 4];
       } else if (live) {
@@ -116,26 +145,7 @@ __device__ __forceinline__ void decode_rows(const AttnParams& p, int t, int c0, 
     for (int it = 0; it < B; ++it) {
       const int g = threadIdx.x + (i0 + it) * NT, r = g / OCT, e8 = g - r * OCT;
       if (i0 + it >= IT || g >= kC * OCT || (r >= nr && !zero_tail)) continue;
-      uint4 u = make_uint4(0u, 0u, 0u, 0u);
-      if (r < nr) {
-        float v[8];
-        if (c0 + r < nw) {
-          const float s = e8m0_dev(sc[it]);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            v[i] = e4m3_dev((raw[it].x >> (8 * i)) & 255u) * s;
-            v[4 + i] = e4m3_dev((raw[it].y >> (8 * i)) & 255u) * s;
-          }
-        } else {
-          const float s = e4m3_dev(sc[it]);
-#pragma unroll
-          for (int i = 0; i < 8; ++i) v[i] = e2m1_dev((raw[it].x >> (4 * i)) & 15u) * s;
-        }
-        u.x = pack_bf16x2(v[0], v[1]);
-        u.y = pack_bf16x2(v[2], v[3]);
-        u.z = pack_bf16x2(v[4], v[5]);
-        u.w = pack_bf16x2(v[6], v[7]);
-      }
+      const uint4 u = r < nr ? decode_item(c0 + r < nw, raw[it], sc[it]) : make_uint4(0u, 0u, 0u, 0u);
       *reinterpret_cast<uint4*>(kv_s + r * ks + e8 * 8) = u;
     }
   }
@@ -353,11 +363,8 @@ __device__ __forceinline__ void copy_rows_async(const AttnParams& p, int c0, int
     const int r = g / PPR, k = g - r * PPR, li = c0 + r;
     uint8_t* dst = raw_s + r * kRawRow<HD>;
     if (li < nw) {
-      const int64_t wp = lo_w + li;
-      const bool in_chunk = wp >= p0;
-      const int64_t slot = in_chunk ? wp - p0 : wp % p.ring_cap;
-      const uint8_t* codes = (in_chunk ? p.chunk_codes : p.ring_codes) + slot * HD;
-      const uint8_t* scales = (in_chunk ? p.chunk_scales : p.ring_scales) + slot * (HD / 32);
+      const uint8_t *codes, *scales;
+      window_row<HD>(p, lo_w, li, p0, codes, scales);
       if (k < HD / 16) cp_async16(dst + 16 * k, codes + 16 * k);
       else cp_async4(dst + HD + 4 * (k - HD / 16), scales + 4 * (k - HD / 16));
     } else {
@@ -378,25 +385,10 @@ __device__ __forceinline__ void convert_rows(const uint8_t* raw_s, int c0, int n
     uint4 u = make_uint4(0u, 0u, 0u, 0u);
     if (r < nr) {
       const uint8_t* src = raw_s + r * kRawRow<HD>;
-      float v[8];
-      if (c0 + r < nw) {
-        const uint2 raw = *reinterpret_cast<const uint2*>(src + e8 * 8);
-        const float s = e8m0_dev(src[HD + e8 / 4]);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          v[i] = e4m3_dev((raw.x >> (8 * i)) & 255u) * s;
-          v[4 + i] = e4m3_dev((raw.y >> (8 * i)) & 255u) * s;
-        }
-      } else {
-        const uint32_t raw = *reinterpret_cast<const uint32_t*>(src + e8 * 4);
-        const float s = e4m3_dev(src[HD + e8 / 2]);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = e2m1_dev((raw >> (4 * i)) & 15u) * s;
-      }
-      u.x = pack_bf16x2(v[0], v[1]);
-      u.y = pack_bf16x2(v[2], v[3]);
-      u.z = pack_bf16x2(v[4], v[5]);
-      u.w = pack_bf16x2(v[6], v[7]);
+      if (c0 + r < nw)
+        u = decode_item(true, *reinterpret_cast<const uint2*>(src + e8 * 8), src[HD + e8 / 4]);
+      else
+        u = decode_item(false, make_uint2(*reinterpret_cast<const uint32_t*>(src + e8 * 4), 0u), src[HD + e8 / 2]);
     }
     *reinterpret_cast<uint4*>(kv_s + r * ks + e8 * 8) = u;
   }

@@ -718,6 +718,12 @@ struct StageNorm {
   float eps = 0.0f;
 };
 
+// 1 / sqrt(ss / n + eps) from the double sum of squares ss of n elements (the rmsnorm
+// kernel's rounding steps).
+__device__ __forceinline__ float inv_rms(double ss, int n, float eps) {
+  return 1.0f / sqrtf(static_cast<float>(ss / static_cast<double>(n)) + eps);
+}
+
 // 1 / sqrt(mean(x[0..n)^2) + eps) of one activation row, in every thread (squares summed
 // in double, as the rmsnorm kernel does). All threads of the block; blockDim.x % 32 == 0.
 __device__ __forceinline__ float block_inv_rms(const void* x, int xt, int n, float eps) {
@@ -728,7 +734,7 @@ __device__ __forceinline__ float block_inv_rms(const void* x, int xt, int n, flo
     ss += v * v;
   }
   ss = block_sum(ss, part);
-  return 1.0f / sqrtf(static_cast<float>(ss / static_cast<double>(n)) + eps);
+  return inv_rms(ss, n, eps);
 }
 
 // Whether stage_b_mma can compute the norm of a one-token row of 32 NB elements in its
@@ -800,7 +806,7 @@ __device__ __forceinline__ void stage_b_mma(uint32_t* bs, float* sas, int tstrid
 #pragma unroll
         for (int e = 0; e < 8; ++e) ss += static_cast<double>(v[e]) * static_cast<double>(v[e]);
       ss = block_sum(ss, part);
-      rr = 1.0f / sqrtf(static_cast<float>(ss / static_cast<double>(per_tok * 8)) + nrm->eps);
+      rr = inv_rms(ss, per_tok * 8, nrm->eps);
     }
     if (ok) {
       if (nrm) {  // one token: x' = act(w * (x * r)), as the rmsnorm kernel
