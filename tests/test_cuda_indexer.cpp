@@ -257,7 +257,8 @@ TEST(CudaTopk, MatchesCpuTopkFinite) {
   Rng rng(53);
   std::printf("[          ] topk uses %s\n", cuda::topk_uses_clusters() ? "8-CTA clusters" : "one CTA per query");
   // n <= 16384: the one-CTA register kernel; larger: the general (cluster) kernel
-  for (int64_t n : {int64_t{1}, int64_t{5}, int64_t{100}, int64_t{3000}, int64_t{16384}, int64_t{40000}, int64_t{300000}})
+  for (int64_t n : {int64_t{1}, int64_t{5}, int64_t{100}, int64_t{3000}, int64_t{8192}, int64_t{16384}, int64_t{40000},
+                    int64_t{300000}})
     for (int k : {1, 8, 512, 2048})
       for (int style = 0; style < 3; ++style) {
         const int T = 3;
@@ -506,13 +507,13 @@ TEST(CudaIndexer, Benchmark300k) {
 TEST(CudaTopk, BenchmarkDistributions) {
   SKIP_WITHOUT_GPU();
   Rng rng(57);
-  const int64_t n = 8192;
   const int k = 512;
   cudaEvent_t e0, e1;
   DSX_CUDA_CHECK(cudaEventCreate(&e0));
   DSX_CUDA_CHECK(cudaEventCreate(&e1));
   std::normal_distribution<float> nd(0.0f, 1.0f);
   std::uniform_real_distribution<float> ud(0.0f, 1.0f);
+  for (int64_t n : {int64_t{4096}, int64_t{8192}})
   for (int style = 0; style < 5; ++style) {
     std::vector<float> s(static_cast<size_t>(n));
     const char* name = "";

@@ -58,6 +58,13 @@ bool staged_x_enabled() {
   return v;
 }
 
+// DSX_JOINT_Q=0: one-token decode of index layers launches idx_wq_b after wq_b (default:
+// one launch over both matrices, DevLayer::wq_b_idx)
+bool joint_q_enabled() {
+  static const bool v = env_int("DSX_JOINT_Q", 1) != 0;
+  return v;
+}
+
 // DSX_BRANCHES=0: decode on the session stream only (no side-stream graph branches)
 bool branches_enabled() {
   static const bool v = env_int("DSX_BRANCHES", 1) != 0;
@@ -132,6 +139,11 @@ struct DevLayer {
   QMatrix comp_wkv, comp_wgate;
   float* comp_norm = nullptr;
   QMatrix idx_wq_b, idx_weights_proj, idx_wk;
+  // index layers: wq_b and idx_wq_b as one matrix [H hd + ih ihd, q_lora_rank] (the two
+  // are placed back to back, codes then scales), so that one-token decode takes both
+  // products of the normalized q latent in one launch; rows == 0 where they are not
+  // adjacent
+  QMatrix wq_b_idx;
   float* idx_k_norm = nullptr;
   QMatrix gate;
   float* gate_bias = nullptr;
@@ -225,6 +237,32 @@ struct Uploader {
     if (!sizing) m.weight_bytes += h.bytes();
     return d;
   }
+  // Two matrices placed as a pair: FP8 matrices of one width and scale block go codes,
+  // codes, scales, scales, and the joint view [n1 + n2, K] is returned when the second
+  // follows the first in both (rows of the first a multiple of the scale block); else
+  // (and for other formats) a view with rows == 0.
+  QMatrix pair(const QMatrix& h1, const QMatrix& h2, QMatrix& d1, QMatrix& d2) {
+    QMatrix j;
+    if (!(h1.fmt == WFormat::FP8_BLOCK && h2.fmt == WFormat::FP8_BLOCK && h1.cols == h2.cols && h1.block == h2.block)) {
+      d1 = matrix(h1);
+      d2 = matrix(h2);
+      return j;
+    }
+    const int center = 127 - 6 - static_cast<int>(std::lround(0.5 * std::log2(static_cast<double>(h1.cols))));
+    d1 = h1, d2 = h2;
+    d1.data = static_cast<const uint8_t*>(place(h1.data, static_cast<size_t>(h1.data_bytes()), 0));
+    d2.data = static_cast<const uint8_t*>(place(h2.data, static_cast<size_t>(h2.data_bytes()), 0));
+    d1.scale = static_cast<const uint8_t*>(place(h1.scale, static_cast<size_t>(h1.scale_bytes()), 2, 0, 0, center));
+    d2.scale = static_cast<const uint8_t*>(place(h2.scale, static_cast<size_t>(h2.scale_bytes()), 2, 0, 0, center));
+    if (sizing) return j;
+    m.weight_bytes += h1.bytes() + h2.bytes();
+    if (h1.rows % h1.block == 0 && d1.data + h1.data_bytes() == d2.data && d1.scale + h1.scale_bytes() == d2.scale) {
+      j = d1;
+      j.rows = h1.rows + h2.rows;
+      j.name = h1.name + "+" + h2.name;
+    }
+    return j;
+  }
   float* vec(const std::vector<float>& v, size_t n, float mean = 1.0f, float std = 0.0f) {
     return static_cast<float*>(place(v.empty() ? nullptr : v.data(), n * 4, 4, std, mean));
   }
@@ -268,7 +306,14 @@ void upload_pass(Uploader& u, const ModelConfig& c, const ModelWeights* hw) {
     L.hc_ffn_scale = u.vec(h ? h->hc_ffn_scale : none, 3);
     L.wq_a = mat(h ? &h->wq_a : nullptr, WFormat::FP8_BLOCK, ql, D, "wq_a");
     L.q_norm = u.vec(h ? h->q_norm : none, static_cast<size_t>(ql));
-    L.wq_b = mat(h ? &h->wq_b : nullptr, WFormat::FP8_BLOCK, H * hd, ql, "wq_b");
+    if (c.is_index_source(l)) {
+      const int64_t ih = c.index_n_heads, ihd = c.index_head_dim;
+      L.wq_b_idx = u.pair(h ? h->wq_b : host_shape(WFormat::FP8_BLOCK, H * hd, ql, B, "wq_b"),
+                              h ? h->idx_wq_b : host_shape(WFormat::FP8_BLOCK, ih * ihd, ql, B, "idx_wq_b"), L.wq_b,
+                              L.idx_wq_b);
+    } else {
+      L.wq_b = mat(h ? &h->wq_b : nullptr, WFormat::FP8_BLOCK, H * hd, ql, "wq_b");
+    }
     L.wkv = mat(h ? &h->wkv : nullptr, WFormat::FP8_BLOCK, hd, D, "wkv");
     L.kv_norm = u.vec(h ? h->kv_norm : none, static_cast<size_t>(hd));
     L.wo_a = mat(h ? &h->wo_a : nullptr, WFormat::FP8_BLOCK, G * ol, H * hd / G, "wo_a");
@@ -281,7 +326,6 @@ void upload_pass(Uploader& u, const ModelConfig& c, const ModelWeights* hw) {
     }
     if (c.is_index_source(l)) {
       const int64_t ih = c.index_n_heads, ihd = c.index_head_dim;
-      L.idx_wq_b = mat(h ? &h->idx_wq_b : nullptr, WFormat::FP8_BLOCK, ih * ihd, ql, "idx_wq_b");
       L.idx_weights_proj = mat(h ? &h->idx_weights_proj : nullptr, WFormat::BF16, ih, D, "weights_proj");
       if (c.is_kv_source(l)) {
         L.idx_wk = mat(h ? &h->idx_wk : nullptr, WFormat::BF16, ihd, hd, "idx_wk");
@@ -650,7 +694,7 @@ CudaSession::CudaSession(const DeviceModel& m, const EngineOptions& o)
   };
   for (const auto& L : m_.layers) {
     for (const QMatrix* q : {&L.hc_attn_fn, &L.hc_ffn_fn, &L.wq_a, &L.wq_b, &L.wkv, &L.wo_b, &L.comp_wkv,
-                             &L.comp_wgate, &L.idx_wq_b, &L.idx_weights_proj, &L.gate, &L.engram_wkv})
+                             &L.comp_wgate, &L.idx_wq_b, &L.wq_b_idx, &L.idx_weights_proj, &L.gate, &L.engram_wkv})
       consider(*q, true, 1);
     consider(L.wo_a, false, c_.o_groups);
   }
@@ -689,7 +733,7 @@ CudaSession::CudaSession(const DeviceModel& m, const EngineOptions& o)
     hc_work_ = take(hc_work_bytes(static_cast<int>(T), D));
     q_lat_ = take(T * ql * ab_);
     q_latn_ = take(T * ql * ab_);
-    q_ = take(T * H * hd * ab_);
+    q_ = take((T * H * hd + ih * ihd) * ab_);  // (+ one token's idx_q: the joint wq_b / idx_wq_b product)
     kv_raw_ = take(T * hd * ab_);
     chunk_.dim = static_cast<int>(hd);
     chunk_.codes = static_cast<uint8_t*>(take(T * hd));
@@ -1023,13 +1067,20 @@ void CudaSession::attention(int l, int T) {
   // q_norm, then wq_b (RoPE: in the attention, aa.q_inv_freq); the normalized rows land in
   // q_latn_ for the indexer. One token: the norm is done by wq_b's kernel while it stages
   // its input (GemvOpts::norm_w), which saves the norm's own launch.
+  // Index layers, one token: wq_b and idx_wq_b in one launch (L.wq_b_idx, both read the
+  // normalized latent); the indexer's queries land after q_'s row.
+  const bool joint_q = T == 1 && r > 0 && c_.is_index_source(l) && L.wq_b_idx.rows > 0 && joint_q_enabled();
+  void* idx_q = joint_q ? static_cast<char*>(q_) + H * hd * ab_ : idx_q_;
   bool q_staged = false;
   if (T <= kGemvMaxT) {
     GemvOpts o = gemv_opts(true, 1, stream_);
     o.norm_w = L.q_norm, o.norm_eps = c_.rms_eps, o.norm_out = q_latn_;
-    // (for idx_wq_b: the normalized row's QA8, staged by wq_b's block 0)
-    if (r > 0 && c_.is_index_source(l)) o.norm_staged = staged_x(xst_q_, T);
-    gemv(L.wq_b, act_, q_lat_, ql, T, act_, q_, H * hd, o, stream_);
+    // (for a separate idx_wq_b: the normalized row's QA8, staged by wq_b's block 0)
+    if (r > 0 && c_.is_index_source(l) && !joint_q) o.norm_staged = staged_x(xst_q_, T);
+    if (joint_q)
+      gemv(L.wq_b_idx, act_, q_lat_, ql, T, act_, q_, L.wq_b_idx.rows, o, stream_);
+    else
+      gemv(L.wq_b, act_, q_lat_, ql, T, act_, q_, H * hd, o, stream_);
     q_staged = o.norm_staged && gemv_last_staged();
   } else {
     rmsnorm(act_, q_lat_, q_latn_, L.q_norm, T, static_cast<int>(ql), c_.rms_eps, nullptr, nullptr, stream_);
@@ -1043,8 +1094,9 @@ void CudaSession::attention(int l, int T) {
     const int src = c_.kv_source_of(l);
     if (c_.is_index_source(l)) {
       const int64_t ih = c_.index_n_heads, ihd = c_.index_head_dim;
-      lin(L.idx_wq_b, q_latn_, ql, T, act_, idx_q_, ih * ihd, true, 1, nullptr, q_staged ? xst_q_ : nullptr);
-      rope_fq4e8(act_, idx_q_, idx_qf_, T, static_cast<int>(ih), static_cast<int>(ihd), np, m_.comp_inv_freq,
+      if (!joint_q)
+        lin(L.idx_wq_b, q_latn_, ql, T, act_, idx_q, ih * ihd, true, 1, nullptr, q_staged ? xst_q_ : nullptr);
+      rope_fq4e8(act_, idx_q, idx_qf_, T, static_cast<int>(ih), static_cast<int>(ihd), np, m_.comp_inv_freq,
                  cache_.d_pos(), stream_);
       prof_.mark("indexer q/w", stream_);
       if (branch) DSX_CUDA_CHECK(cudaStreamWaitEvent(stream_, ev_join_[1], 0));

@@ -281,8 +281,10 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- Short rows (n <= kSmallN, e.g. decode at a few thousand compressed rows or inside
 // the candidate blocks): one CTA of 1024 threads per query holds the row's keys in
-// registers (16 consecutive entries per thread, loaded once with all loads in flight),
-// so the three histogram passes, the count and the write pass touch no global memory.
+// registers (up to 16 consecutive entries per thread, loaded once with all loads in
+// flight), so the histogram passes (three at most: a pass whose bucket holding the k-th
+// largest is selected whole is the last), the count and the write pass touch no global
+// memory.
 // The general kernel re-reads the scores in load-then-atomic loops that wait one L2
 // round trip per iteration (ncu: 23 us per decode top-k at 4-8k rows). Same semantics.
 constexpr int kSmallThreads = 1024;
@@ -317,14 +319,18 @@ __global__ void __launch_bounds__(kSmallThreads)
   dev::pdl_wait();  // scores and counts come from the previous kernel (programmatic dependent launch)
   const int n = static_cast<int>(min(static_cast<int64_t>(counts[t] > 0 ? counts[t] : 0), kSmallN));  // (host bound)
   const float* s = scores + static_cast<int64_t>(t) * ld;
-  const int i0 = static_cast<int>(threadIdx.x) * kSmallPer;  // this thread's entries [i0, i0 + 16)
+  // this thread's entries [i0, i0 + per): as few per thread as the row allows, so that the
+  // histogram atomics spread over all the warps (position order is thread order)
+  const int per = min(kSmallPer, max(1, (n + kSmallThreads - 1) / kSmallThreads));
+  const int i0 = static_cast<int>(threadIdx.x) * per;
   uint32_t key[kSmallPer];
 #pragma unroll
-  for (int j = 0; j < kSmallPer; ++j) key[j] = i0 + j < n ? score_key(__ldg(s + i0 + j)) : 0u;
+  for (int j = 0; j < kSmallPer; ++j) key[j] = j < per && i0 + j < n ? score_key(__ldg(s + i0 + j)) : 0u;
 
   // ---- radix select of the k-th largest key (11 + 11 + 10 bits)
   uint32_t prefix = 0u, krem = static_cast<uint32_t>(k);
-  bool all = false;
+  bool all = false, whole = false;
+  int low = 0;  // bits below the digits resolved so far
 #pragma unroll 1
   for (int p = 0; p < 3; ++p) {
     const int shift = p == 0 ? 21 : (p == 1 ? 10 : 0);
@@ -354,10 +360,16 @@ __global__ void __launch_bounds__(kSmallThreads)
     }
     prefix = (prefix << width) | s_bucket;
     krem = s_krem;
+    low = shift;
+    // every entry of the bucket is selected: the digits so far decide (no further pass)
+    whole = hist[s_bucket] == krem;
     __syncthreads();  // s_bucket / hist reused
+    if (whole) break;
   }
-  const uint32_t tau = all ? kMinValid - 1u : prefix;
-  const uint32_t need = all ? 0u : krem;
+  // selected: keys > tau, then the first `need` keys equal to tau in position order (a
+  // whole bucket: every key >= prefix << low)
+  const uint32_t tau = all ? kMinValid - 1u : whole ? (prefix << low) - 1u : prefix;
+  const uint32_t need = all || whole ? 0u : krem;
 
   // ---- write pass: entries above tau, and the first `need` equal to it, in position order
   uint32_t g = 0u, e = 0u;
