@@ -260,7 +260,7 @@ TEST(CudaTopk, MatchesCpuTopkFinite) {
   for (int64_t n : {int64_t{1}, int64_t{5}, int64_t{100}, int64_t{3000}, int64_t{8192}, int64_t{16384}, int64_t{40000},
                     int64_t{300000}})
     for (int k : {1, 8, 512, 2048})
-      for (int style = 0; style < 3; ++style) {
+      for (int style = 0; style < 4; ++style) {
         const int T = 3;
         std::vector<float> s(static_cast<size_t>(T) * n);
         std::uniform_int_distribution<int> lvl(0, 40), pick(0, 99);
@@ -268,9 +268,12 @@ TEST(CudaTopk, MatchesCpuTopkFinite) {
         for (auto& v : s) {
           if (style == 0) v = nd(rng);                                   // distinct
           else if (style == 1) v = round_bf16(static_cast<float>(lvl(rng)) * 0.125f);  // heavy ties
-          else {                                                           // ties, -inf, +inf, -0, NaN
+          else if (style == 2) {                                           // ties, -inf, +inf, -0, NaN
             const int p = pick(rng);
             v = p < 20 ? -INFINITY : p < 22 ? INFINITY : p < 30 ? -0.0f : p < 31 ? NAN : round_bf16(nd(rng));
+          } else {                                                         // one value, -inf, NaN
+            const int p = pick(rng);
+            v = p < 10 ? -INFINITY : p < 12 ? NAN : 0.75f;
           }
         }
         std::vector<int32_t> counts(static_cast<size_t>(T));

@@ -278,7 +278,7 @@ __global__ void __launch_bounds__(kThreads, R ? 1 : 2) gemv_mma_kernel(const Mma
     if constexpr (R) {
       static_assert(P == 1, "the shared ring streams one token pass");
       // (spans without bound tests when K holds whole spans)
-      dev::with_ring_cons<F>(p.NB, [&](auto& cons) {
+      dev::with_ring_cons<F>(p.NB, p.W, [&](auto& cons) {
         cons.set(p.W, row0, row_last, bs, sas, p.tstride, p.T, p.NB, s_zero, lane);
 #pragma unroll 2
         for (int k = 0; k < nspw; ++k) {

@@ -70,7 +70,20 @@ struct BAddr {
   // read the zero words through a zero step.
   __device__ __forceinline__ const uint4* words_full(int kb0) const { return b + kb0 * step; }
   __device__ __forceinline__ float scale_full(int kb) const { return sa[kb * sa_step]; }
+  // the scales of blocks kb, kb + 1 in one 8-byte load (kb even; the staged scales and a
+  // token's row of them start 8-byte aligned when NB is even)
+  __device__ __forceinline__ float2 scales2_full(int kb) const {
+    return *reinterpret_cast<const float2*>(sa + kb * sa_step);
+  }
 };
+
+// The e8m0 scales of two consecutive blocks, read as one aligned 16-bit word (the low
+// byte first), as e8m0_f32_nb: one load instead of two, and no per-byte address.
+__device__ __forceinline__ void e8m0_pair_f32(const uint8_t* p, float& lo, float& hi) {
+  const uint32_t w = __ldg(reinterpret_cast<const unsigned short*>(p));
+  lo = e8m0_f32_nb(w & 0xffu);
+  hi = e8m0_f32_nb(w >> 8);
+}
 
 // FP8_BLOCK consumer of a lane (hardware e4m3 -> f16; B staged by stage_b_mma<FP8, true>).
 // Full: K is a multiple of 64 (every span holds 2 whole scale blocks): no bound tests.
@@ -98,8 +111,13 @@ struct Fp8Cons {
     const uint4 a = lds128(slot + lane), a8 = lds128(slot + 32 + lane);
     const int kb0 = 2 * s;
     const bool v0 = Full || kb0 < NB, v1 = Full || kb0 + 1 < NB;
-    const uint32_t sc0 = v0 ? static_cast<uint32_t>(__ldg(srow + ((kb0 * 32) >> wshift))) : 0u;
-    const uint32_t sc1 = v1 ? static_cast<uint32_t>(__ldg(srow + (((kb0 + 1) * 32) >> wshift))) : 0u;
+    float w0, w1;  // weight scales of blocks kb0, kb0 + 1
+    if constexpr (Full) {  // (32 x 32 scale tiles: the span's two scales are adjacent)
+      e8m0_pair_f32(srow + kb0, w0, w1);
+    } else {
+      w0 = e8m0_f32_nb(v0 ? static_cast<uint32_t>(__ldg(srow + ((kb0 * 32) >> wshift))) : 0u);
+      w1 = e8m0_f32_nb(v1 ? static_cast<uint32_t>(__ldg(srow + (((kb0 + 1) * 32) >> wshift))) : 0u);
+    }
     const uint4* bw = Full ? ba.words_full(kb0) : ba.words(kb0);
     const uint4 b01 = bw[0], b23 = bw[1];
     uint32_t Pg[4], Qg[4], P8[4], Q8[4];
@@ -113,8 +131,13 @@ struct Fp8Cons {
     mma_f16_16816(d, Pg[1], P8[1], Qg[1], Q8[1], b01.z, b01.w);
     mma_f16_16816(d, Pg[2], P8[2], Qg[2], Q8[2], b23.x, b23.y);
     mma_f16_16816(d, Pg[3], P8[3], Qg[3], Q8[3], b23.z, b23.w);
-    const float f0 = e8m0_f32_nb(sc0) * (Full ? ba.scale_full(kb0) : ba.scale(kb0, v0));
-    const float f1 = e8m0_f32_nb(sc1) * (Full ? ba.scale_full(kb0 + 1) : ba.scale(kb0 + 1, v1));
+    float f0, f1;
+    if constexpr (Full) {
+      const float2 sa = ba.scales2_full(kb0);
+      f0 = w0 * sa.x, f1 = w1 * sa.y;
+    } else {
+      f0 = w0 * ba.scale(kb0, v0), f1 = w1 * ba.scale(kb0 + 1, v1);
+    }
     acc[0] = fmaf(d[0], f0, acc[0]);
     acc[0] = fmaf(d[1], f1, acc[0]);
     acc[1] = fmaf(d[2], f0, acc[1]);
@@ -153,10 +176,16 @@ struct Fp4Cons {
     const bool v0 = Full || b0 < NB, v1 = Full || b0 + 1 < NB;
     const uint8_t* p0 = s0 + static_cast<uint32_t>(kb0);  // one address per row, offsets 0 / 1
     const uint8_t* p8 = s8 + static_cast<uint32_t>(kb0);
-    const uint32_t g0 = v0 ? static_cast<uint32_t>(__ldg(p0)) : 0u;
-    const uint32_t g1 = v1 ? static_cast<uint32_t>(__ldg(p0 + 1)) : 0u;
-    const uint32_t h0 = v0 ? static_cast<uint32_t>(__ldg(p8)) : 0u;
-    const uint32_t h1 = v1 ? static_cast<uint32_t>(__ldg(p8 + 1)) : 0u;
+    float wg0, wg1, w80, w81;  // weight scales of rows g, g + 8, blocks b0, b0 + 1
+    if constexpr (Full) {  // (one aligned 16-bit word per row)
+      e8m0_pair_f32(p0, wg0, wg1);
+      e8m0_pair_f32(p8, w80, w81);
+    } else {
+      wg0 = e8m0_f32_nb(v0 ? static_cast<uint32_t>(__ldg(p0)) : 0u);
+      wg1 = e8m0_f32_nb(v1 ? static_cast<uint32_t>(__ldg(p0 + 1)) : 0u);
+      w80 = e8m0_f32_nb(v0 ? static_cast<uint32_t>(__ldg(p8)) : 0u);
+      w81 = e8m0_f32_nb(v1 ? static_cast<uint32_t>(__ldg(p8 + 1)) : 0u);
+    }
     const uint4* bw = Full ? ba.words_full(kb0) : ba.words(kb0);
     uint4 bq[4];
 #pragma unroll
@@ -173,12 +202,17 @@ struct Fp4Cons {
       mma_f16_16816(d, R[j][0], R8[j][0], R[j][2], R8[j][2], bq[j].x, bq[j].y);
       mma_f16_16816(d, R[j][1], R8[j][1], R[j][3], R8[j][3], bq[j].z, bq[j].w);
     }
-    const float sa0 = Full ? ba.scale_full(kb0) : ba.scale(kb0, v0);
-    const float sa1 = Full ? ba.scale_full(kb0 + 1) : ba.scale(kb0 + 1, v1);
-    acc[0] = fmaf(d[0], e8m0_f32_nb(g0) * sa0, acc[0]);
-    acc[0] = fmaf(d[1], e8m0_f32_nb(g1) * sa1, acc[0]);
-    acc[1] = fmaf(d[2], e8m0_f32_nb(h0) * sa0, acc[1]);
-    acc[1] = fmaf(d[3], e8m0_f32_nb(h1) * sa1, acc[1]);
+    float sa0, sa1;
+    if constexpr (Full) {
+      const float2 sa = ba.scales2_full(kb0);
+      sa0 = sa.x, sa1 = sa.y;
+    } else {
+      sa0 = ba.scale(kb0, v0), sa1 = ba.scale(kb0 + 1, v1);
+    }
+    acc[0] = fmaf(d[0], wg0 * sa0, acc[0]);
+    acc[0] = fmaf(d[1], wg1 * sa1, acc[0]);
+    acc[1] = fmaf(d[2], w80 * sa0, acc[1]);
+    acc[1] = fmaf(d[3], w81 * sa1, acc[1]);
   }
 };
 
@@ -186,11 +220,12 @@ struct Fp4Cons {
 template <WFormat F, bool Full>
 using RingCons = std::conditional_t<F == WFormat::FP8_BLOCK, Fp8Cons<Full>, Fp4Cons<Full>>;
 
-// f(cons) with the consumer of format F for K = 32 NB: the one without bound tests when K
-// holds whole spans (64 elements for FP8, 128 for MXFP4).
+// f(cons) with the consumer of format F for K = 32 NB and weights W: the one without
+// bound tests when K holds whole spans (64 elements for FP8, 128 for MXFP4) and, for FP8,
+// the scale tiles are 32 x 32 (the V4.1 layout).
 template <WFormat F, typename Fn>
-__device__ __forceinline__ void with_ring_cons(int NB, Fn&& f) {
-  if (NB % (F == WFormat::FP8_BLOCK ? 2 : 4) == 0) {
+__device__ __forceinline__ void with_ring_cons(int NB, const WView& W, Fn&& f) {
+  if (NB % (F == WFormat::FP8_BLOCK ? 2 : 4) == 0 && (F != WFormat::FP8_BLOCK || W.wshift == 5)) {
     RingCons<F, true> cons;
     f(cons);
   } else {

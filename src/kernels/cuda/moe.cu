@@ -568,7 +568,7 @@ struct SpanStream {
   template <WFormat F>
   __device__ void consume_piece(const Piece& q, float (&acc)[1][2], const uint32_t* bs, const float* sas,
                                 const uint4* bzero) {
-    dev::with_ring_cons<F>(NB, [&](auto& cons) {
+    dev::with_ring_cons<F>(NB, q.v, [&](auto& cons) {
       cons.set(q.v, q.row0, q.row_last, bs, sas, NB, 1, NB, bzero, lane);
 #pragma unroll 2
       for (int s = q.s_lo; s < q.s_hi; ++s) {
