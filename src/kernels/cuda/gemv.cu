@@ -226,11 +226,16 @@ __global__ void __launch_bounds__(kThreads, R ? 1 : 2) gemv_mma_kernel(const Mma
   auto row_of = [&](int r) { return grow0 + (tile0 + static_cast<int64_t>(r) * tile_step) * 16; };  // weight row
   dev::MmaSlot<F> regs[R ? 1 : U];
   dev::RingLoad ld;
-  int slot_in = 0;
+  // shared ring: this lane's address in slot 0, and the byte offsets of the slots to
+  // fill and to read next (kept as offsets: no slot-index arithmetic per span)
+  constexpr uint32_t kSlot = 1024, kRingEnd = (U + 1) * kSlot;
+  const uint32_t ring_lane = dev::smem_u32(ring + lane);
+  uint32_t off_in = 0, off_out = 0;
+  auto next_slot = [](uint32_t o) { return o + kSlot == kRingEnd ? 0u : o + kSlot; };
   // next span of the shared ring: its copies, then the cursor moves to the next round
   auto ring_issue = [&]() {
-    ld.issue(ring + slot_in * 64, lane);
-    slot_in = slot_in == U ? 0 : slot_in + 1;
+    ld.issue_at(ring_lane + off_in);
+    off_in = next_slot(off_in);
     if (ld.left == 0 && l_r + 1 < rounds) ld.set(p.W, row_of(++l_r), row_last, s_lo, s_hi, lane);
   };
   if constexpr (R) {
@@ -269,7 +274,6 @@ __global__ void __launch_bounds__(kThreads, R ? 1 : 2) gemv_mma_kernel(const Mma
   const uint32_t* bzero = reinterpret_cast<const uint32_t*>(s_zero);
 
   const int g = lane >> 2;
-  int slot_out = 0;
   for (int r = 0; r < rounds; ++r) {
     const int64_t row0 = row_of(r);
     float acc[P][2];
@@ -283,9 +287,9 @@ __global__ void __launch_bounds__(kThreads, R ? 1 : 2) gemv_mma_kernel(const Mma
 #pragma unroll 2
         for (int k = 0; k < nspw; ++k) {
           dev::cp_async_wait<U - 1>();
-          cons.span(ring + slot_out * 64, s_lo + k, acc[0], lane);
+          cons.span_at(ring_lane + off_out, s_lo + k, acc[0], lane);
           ring_issue();  // refills the slot read one span ago (its data has been consumed)
-          slot_out = slot_out == U ? 0 : slot_out + 1;
+          off_out = next_slot(off_out);
         }
       });
     } else {

@@ -513,6 +513,21 @@ __device__ __forceinline__ uint4 lds128(const uint4* p) {
   return r;
 }
 
+// lds128 from a shared-memory address (the ring consumers keep their slot addresses as
+// 32-bit shared offsets: no generic-pointer arithmetic per span)
+__device__ __forceinline__ uint4 lds128_at(uint32_t addr) {
+  uint4 r;
+#if defined(__CUDA_ARCH__)
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "r"(addr)
+               : "memory");
+#else
+  r = make_uint4(0, 0, 0, 0);
+#endif
+  return r;
+}
+
 __device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }

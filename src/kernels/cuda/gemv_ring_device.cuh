@@ -32,10 +32,12 @@ struct RingLoad {
     left = s_hi > s_lo ? s_hi - s_lo : 0;
   }
   // Copies the next span into slot (zeros past the row end or the piece) and commits.
-  __device__ __forceinline__ void issue(uint4* slot, int lane) {
+  __device__ __forceinline__ void issue(uint4* slot, int lane) { issue_at(smem_u32(slot + lane)); }
+  // The same with this lane's shared address in the slot (rows g + 8 at + 512).
+  __device__ __forceinline__ void issue_at(uint32_t dst) {
     const bool ok = left > 0 && off + 16 <= rb;
-    cp_async16_zfill(smem_u32(slot + lane), pa, ok);
-    cp_async16_zfill(smem_u32(slot + 32 + lane), pa + d8, ok);
+    cp_async16_zfill(dst, pa, ok);
+    cp_async16_zfill(dst + 512, pa + d8, ok);
     cp_async_commit();
     pa += 64;
     off += 64;
@@ -108,7 +110,11 @@ struct Fp8Cons {
     ba.set(bB, NBk - (c >> 1), saP, bzero);
   }
   __device__ __forceinline__ void span(const uint4* slot, int s, float (&acc)[2], int lane) const {
-    const uint4 a = lds128(slot + lane), a8 = lds128(slot + 32 + lane);
+    span_at(smem_u32(slot + lane), s, acc, lane);
+  }
+  // span s from this lane's shared address in its slot (rows g + 8 at + 512)
+  __device__ __forceinline__ void span_at(uint32_t at, int s, float (&acc)[2], int) const {
+    const uint4 a = lds128_at(at), a8 = lds128_at(at + 512);
     const int kb0 = 2 * s;
     const bool v0 = Full || kb0 < NB, v1 = Full || kb0 + 1 < NB;
     float w0, w1;  // weight scales of blocks kb0, kb0 + 1
@@ -170,7 +176,11 @@ struct Fp4Cons {
     ba.set(bB, NBk - c, saP, bzero);
   }
   __device__ __forceinline__ void span(const uint4* slot, int s, float (&acc)[2], int lane) const {
-    const uint4 a = lds128(slot + lane), a8 = lds128(slot + 32 + lane);
+    span_at(smem_u32(slot + lane), s, acc, lane);
+  }
+  // span s from this lane's shared address in its slot (rows g + 8 at + 512)
+  __device__ __forceinline__ void span_at(uint32_t at, int s, float (&acc)[2], int lane) const {
+    const uint4 a = lds128_at(at), a8 = lds128_at(at + 512);
     const int kb0 = 4 * s;
     const int b0 = kb0 + 2 * (lane & 1);
     const bool v0 = Full || b0 < NB, v1 = Full || b0 + 1 < NB;

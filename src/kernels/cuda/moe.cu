@@ -539,8 +539,12 @@ struct SpanStream {
   uint4* ring;
   int lane, NB, count;
   PieceAt piece_at;
-  int li = 0, slot_in = 0, slot_out = 0;
+  int li = 0;
   dev::RingLoad ld;
+  // this lane's shared address in slot 0; byte offsets of the slots to fill / read next
+  static constexpr uint32_t kSlot = 1024, kRingEnd = (U + 1) * kSlot;
+  uint32_t ring_lane = 0, off_in = 0, off_out = 0;
+  __device__ static uint32_t next_slot(uint32_t o) { return o + kSlot == kRingEnd ? 0u : o + kSlot; }
 
   // points the copy cursor at piece li, or the next non-empty one (none: ld.left == 0)
   __device__ void load_piece() {
@@ -551,8 +555,8 @@ struct SpanStream {
     }
   }
   __device__ void issue_one() {
-    ld.issue(ring + slot_in * 64, lane);
-    slot_in = slot_in == U ? 0 : slot_in + 1;
+    ld.issue_at(ring_lane + off_in);
+    off_in = next_slot(off_in);
     if (ld.left == 0 && li < count) {
       ++li;
       load_piece();
@@ -573,9 +577,9 @@ struct SpanStream {
 #pragma unroll 2
       for (int s = q.s_lo; s < q.s_hi; ++s) {
         dev::cp_async_wait<U - 1>();
-        cons.span(ring + slot_out * 64, s, acc[0], lane);
+        cons.span_at(ring_lane + off_out, s, acc[0], lane);
         issue_one();
-        slot_out = slot_out == U ? 0 : slot_out + 1;
+        off_out = next_slot(off_out);
       }
     });
     dev::mma_acc_finish<F, 1>(acc);
@@ -584,7 +588,9 @@ struct SpanStream {
 };
 template <int U, typename PieceAt>
 __device__ SpanStream<U, PieceAt> make_stream(uint4* ring, int lane, int NB, int count, PieceAt at) {
-  return SpanStream<U, PieceAt>{ring, lane, NB, count, at};
+  SpanStream<U, PieceAt> st{ring, lane, NB, count, at};
+  st.ring_lane = dev::smem_u32(ring + lane);
+  return st;
 }
 
 // True in every lane of the last of `n` warps to arrive at *cnt (after each wrote its
