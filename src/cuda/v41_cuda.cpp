@@ -139,8 +139,8 @@ struct DevLayer {
   QMatrix comp_wkv, comp_wgate;
   float* comp_norm = nullptr;
   QMatrix idx_wq_b, idx_weights_proj, idx_wk;
-  // index layers: wq_b and idx_wq_b as one matrix [H hd + ih ihd, q_lora_rank] (the two
-  // are placed back to back, codes then scales), so that one-token decode takes both
+  // index layers: wq_b and idx_wq_b as one matrix [H hd + ih ihd, q_lora_rank] (placed
+  // codes, codes, scales, scales: Uploader::pair), so that one-token decode takes both
   // products of the normalized q latent in one launch; rows == 0 where they are not
   // adjacent
   QMatrix wq_b_idx;
@@ -308,9 +308,9 @@ void upload_pass(Uploader& u, const ModelConfig& c, const ModelWeights* hw) {
     L.q_norm = u.vec(h ? h->q_norm : none, static_cast<size_t>(ql));
     if (c.is_index_source(l)) {
       const int64_t ih = c.index_n_heads, ihd = c.index_head_dim;
-      L.wq_b_idx = u.pair(h ? h->wq_b : host_shape(WFormat::FP8_BLOCK, H * hd, ql, B, "wq_b"),
-                              h ? h->idx_wq_b : host_shape(WFormat::FP8_BLOCK, ih * ihd, ql, B, "idx_wq_b"), L.wq_b,
-                              L.idx_wq_b);
+      const QMatrix hq = h ? h->wq_b : host_shape(WFormat::FP8_BLOCK, H * hd, ql, B, "wq_b");
+      const QMatrix hi = h ? h->idx_wq_b : host_shape(WFormat::FP8_BLOCK, ih * ihd, ql, B, "idx_wq_b");
+      L.wq_b_idx = u.pair(hq, hi, L.wq_b, L.idx_wq_b);
     } else {
       L.wq_b = mat(h ? &h->wq_b : nullptr, WFormat::FP8_BLOCK, H * hd, ql, "wq_b");
     }

@@ -500,20 +500,7 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 #endif
 }
-__device__ __forceinline__ uint4 lds128(const uint4* p) {
-  uint4 r;
-#if defined(__CUDA_ARCH__)
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "r"(smem_u32(p))
-               : "memory");
-#else
-  r = *p;
-#endif
-  return r;
-}
-
-// lds128 from a shared-memory address (the ring consumers keep their slot addresses as
+// 16 bytes from a shared-memory address (the ring consumers keep their slot addresses as
 // 32-bit shared offsets: no generic-pointer arithmetic per span)
 __device__ __forceinline__ uint4 lds128_at(uint32_t addr) {
   uint4 r;

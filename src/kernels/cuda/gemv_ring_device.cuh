@@ -31,9 +31,8 @@ struct RingLoad {
     d8 = (rg8 - rg) * W.row_bytes;
     left = s_hi > s_lo ? s_hi - s_lo : 0;
   }
-  // Copies the next span into slot (zeros past the row end or the piece) and commits.
-  __device__ __forceinline__ void issue(uint4* slot, int lane) { issue_at(smem_u32(slot + lane)); }
-  // The same with this lane's shared address in the slot (rows g + 8 at + 512).
+  // Copies the next span into the slot at this lane's shared address dst (rows g at + 0,
+  // g + 8 at + 512; zeros past the row end or the piece) and commits.
   __device__ __forceinline__ void issue_at(uint32_t dst) {
     const bool ok = left > 0 && off + 16 <= rb;
     cp_async16_zfill(dst, pa, ok);
@@ -109,10 +108,7 @@ struct Fp8Cons {
     const float* saP = c < nt ? sas + static_cast<int64_t>(c) * tstride : nullptr;  // C role: token c
     ba.set(bB, NBk - (c >> 1), saP, bzero);
   }
-  __device__ __forceinline__ void span(const uint4* slot, int s, float (&acc)[2], int lane) const {
-    span_at(smem_u32(slot + lane), s, acc, lane);
-  }
-  // span s from this lane's shared address in its slot (rows g + 8 at + 512)
+  // span s from this lane's shared address in its slot (rows g at + 0, g + 8 at + 512)
   __device__ __forceinline__ void span_at(uint32_t at, int s, float (&acc)[2], int) const {
     const uint4 a = lds128_at(at), a8 = lds128_at(at + 512);
     const int kb0 = 2 * s;
@@ -175,10 +171,7 @@ struct Fp4Cons {
     const float* saP = t < nt ? sas + static_cast<int64_t>(t) * tstride + 2 * (c & 1) : nullptr;
     ba.set(bB, NBk - c, saP, bzero);
   }
-  __device__ __forceinline__ void span(const uint4* slot, int s, float (&acc)[2], int lane) const {
-    span_at(smem_u32(slot + lane), s, acc, lane);
-  }
-  // span s from this lane's shared address in its slot (rows g + 8 at + 512)
+  // span s from this lane's shared address in its slot (rows g at + 0, g + 8 at + 512)
   __device__ __forceinline__ void span_at(uint32_t at, int s, float (&acc)[2], int lane) const {
     const uint4 a = lds128_at(at), a8 = lds128_at(at + 512);
     const int kb0 = 4 * s;
