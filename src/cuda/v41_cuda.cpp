@@ -210,6 +210,12 @@ struct Uploader {
     }
     return d;
   }
+  // The e8m0 scales of FP8 matrix h (synthetic: codes have std ~64, scales
+  // 2^-(6 + log2 sqrt K) give weights of std ~K^-1/2).
+  const uint8_t* fp8_scales(const QMatrix& h) {
+    const int center = 127 - 6 - static_cast<int>(std::lround(0.5 * std::log2(static_cast<double>(h.cols))));
+    return static_cast<const uint8_t*>(place(h.scale, static_cast<size_t>(h.scale_bytes()), 2, 0, 0, center));
+  }
   QMatrix matrix(const QMatrix& h) {
     QMatrix d = h;
     const int64_t K = h.cols;
@@ -220,13 +226,10 @@ struct Uploader {
       case WFormat::BF16:
         d.data = static_cast<const uint8_t*>(place(h.data, static_cast<size_t>(h.data_bytes()), 3, 1.0f / std::sqrt(float(K))));
         break;
-      case WFormat::FP8_BLOCK: {
-        // synthetic: codes have std ~64, scales 2^-(6 + log2 sqrt K) give weights of std ~K^-1/2
-        const int center = 127 - 6 - static_cast<int>(std::lround(0.5 * std::log2(static_cast<double>(K))));
+      case WFormat::FP8_BLOCK:
         d.data = static_cast<const uint8_t*>(place(h.data, static_cast<size_t>(h.data_bytes()), 0));
-        d.scale = static_cast<const uint8_t*>(place(h.scale, static_cast<size_t>(h.scale_bytes()), 2, 0, 0, center));
+        d.scale = fp8_scales(h);
         break;
-      }
       case WFormat::MXFP4: {
         const int center = 127 - 1 - static_cast<int>(std::lround(0.5 * std::log2(static_cast<double>(K))));
         d.data = static_cast<const uint8_t*>(place(h.data, static_cast<size_t>(h.data_bytes()), 1));
@@ -248,12 +251,11 @@ struct Uploader {
       d2 = matrix(h2);
       return j;
     }
-    const int center = 127 - 6 - static_cast<int>(std::lround(0.5 * std::log2(static_cast<double>(h1.cols))));
     d1 = h1, d2 = h2;
     d1.data = static_cast<const uint8_t*>(place(h1.data, static_cast<size_t>(h1.data_bytes()), 0));
     d2.data = static_cast<const uint8_t*>(place(h2.data, static_cast<size_t>(h2.data_bytes()), 0));
-    d1.scale = static_cast<const uint8_t*>(place(h1.scale, static_cast<size_t>(h1.scale_bytes()), 2, 0, 0, center));
-    d2.scale = static_cast<const uint8_t*>(place(h2.scale, static_cast<size_t>(h2.scale_bytes()), 2, 0, 0, center));
+    d1.scale = fp8_scales(h1);
+    d2.scale = fp8_scales(h2);
     if (sizing) return j;
     m.weight_bytes += h1.bytes() + h2.bytes();
     if (h1.rows % h1.block == 0 && d1.data + h1.data_bytes() == d2.data && d1.scale + h1.scale_bytes() == d2.scale) {

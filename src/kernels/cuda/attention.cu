@@ -2,6 +2,7 @@
 
 #include <type_traits>
 
+#include "kernels/cuda/cp_async_device.cuh"
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/elementwise_dev.cuh"
@@ -340,18 +341,6 @@ constexpr bool kAsyncRows = HD % 128 == 0;
 template <int HD>
 constexpr int kRawRow = HD + HD / 16;  // bytes per row slot: codes, then scales
 
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
-  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
-}
-
 // Issues the copies of list entries c0 .. c0+nr-1 of query t into raw_s (slot r: the
 // codes, then the scales at byte HD; window rows FP8 + e8m0, selected rows FP4 + e4m3);
 // ids_s holds the selected rows' ids (read by the caller before its barrier).
@@ -365,12 +354,12 @@ __device__ __forceinline__ void copy_rows_async(const AttnParams& p, int c0, int
     if (li < nw) {
       const uint8_t *codes, *scales;
       window_row<HD>(p, lo_w, li, p0, codes, scales);
-      if (k < HD / 16) cp_async16(dst + 16 * k, codes + 16 * k);
-      else cp_async4(dst + HD + 4 * (k - HD / 16), scales + 4 * (k - HD / 16));
+      if (k < HD / 16) dev::cp_async16(dst + 16 * k, codes + 16 * k);
+      else dev::cp_async4(dst + HD + 4 * (k - HD / 16), scales + 4 * (k - HD / 16));
     } else {
       const int64_t j = ids_s[r];
-      if (k < HD / 32) cp_async16(dst + 16 * k, p.cmp_packed + j * (HD / 2) + 16 * k);
-      else if (k < HD / 32 + HD / 64) cp_async4(dst + HD + 4 * (k - HD / 32), p.cmp_scales + j * (HD / 16) + 4 * (k - HD / 32));
+      if (k < HD / 32) dev::cp_async16(dst + 16 * k, p.cmp_packed + j * (HD / 2) + 16 * k);
+      else if (k < HD / 32 + HD / 64) dev::cp_async4(dst + HD + 4 * (k - HD / 32), p.cmp_scales + j * (HD / 16) + 4 * (k - HD / 32));
     }
   }
 }
@@ -487,7 +476,8 @@ __global__ void __launch_bounds__(128) attn_mma_kernel(AttnParams p) {
     __syncthreads();
     if constexpr (kAsyncRows<HD>) {
       if (c0 != rb) issue_chunk(c0);
-      cp_async_wait_all();
+      dev::cp_async_commit();
+      dev::cp_async_wait<0>();
       __syncthreads();
       convert_rows<HD, 128>(raw_s, c0, nr, nw, kv_s, QS);
     } else {

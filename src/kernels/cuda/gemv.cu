@@ -227,15 +227,13 @@ __global__ void __launch_bounds__(kThreads, R ? 1 : 2) gemv_mma_kernel(const Mma
   dev::MmaSlot<F> regs[R ? 1 : U];
   dev::RingLoad ld;
   // shared ring: this lane's address in slot 0, and the byte offsets of the slots to
-  // fill and to read next (kept as offsets: no slot-index arithmetic per span)
-  constexpr uint32_t kSlot = 1024, kRingEnd = (U + 1) * kSlot;
+  // fill and to read next (dev::next_ring_slot)
   const uint32_t ring_lane = dev::smem_u32(ring + lane);
   uint32_t off_in = 0, off_out = 0;
-  auto next_slot = [](uint32_t o) { return o + kSlot == kRingEnd ? 0u : o + kSlot; };
   // next span of the shared ring: its copies, then the cursor moves to the next round
   auto ring_issue = [&]() {
     ld.issue_at(ring_lane + off_in);
-    off_in = next_slot(off_in);
+    off_in = dev::next_ring_slot<U>(off_in);
     if (ld.left == 0 && l_r + 1 < rounds) ld.set(p.W, row_of(++l_r), row_last, s_lo, s_hi, lane);
   };
   if constexpr (R) {
@@ -289,7 +287,7 @@ __global__ void __launch_bounds__(kThreads, R ? 1 : 2) gemv_mma_kernel(const Mma
           dev::cp_async_wait<U - 1>();
           cons.span_at(ring_lane + off_out, s_lo + k, acc[0], lane);
           ring_issue();  // refills the slot read one span ago (its data has been consumed)
-          off_out = next_slot(off_out);
+          off_out = dev::next_ring_slot<U>(off_out);
         }
       });
     } else {

@@ -15,6 +15,7 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/cp_async_device.cuh"
 #include "kernels/cuda/pdl_device.cuh"
 #include "kernels/cuda/quant_act_device.cuh"
 #include "kernels/qmatrix.h"
@@ -480,40 +481,7 @@ __device__ __forceinline__ void mma_slot_load(MmaSlot<F>& sl, const WView& W, in
 // (each lane reads back only its own bytes: no synchronisation between lanes). U spans
 // are in flight; a slot is refilled one span after it was read (so the read has been
 // consumed by the mma chain before the asynchronous copy can overwrite it).
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, bool ok) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0)
-               : "memory");
-#endif
-}
-__device__ __forceinline__ void cp_async_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-#endif
-}
-// 16 bytes from a shared-memory address (the ring consumers keep their slot addresses as
-// 32-bit shared offsets: no generic-pointer arithmetic per span)
-__device__ __forceinline__ uint4 lds128_at(uint32_t addr) {
-  uint4 r;
-#if defined(__CUDA_ARCH__)
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "r"(addr)
-               : "memory");
-#else
-  r = make_uint4(0, 0, 0, 0);
-#endif
-  return r;
-}
+// (the cp.async and shared-address primitives: cp_async_device.cuh)
 
 __device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;

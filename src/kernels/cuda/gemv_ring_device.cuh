@@ -13,6 +13,14 @@
 
 namespace dsx::cuda::dev {
 
+// A warp's ring: U + 1 slots of kRingSlot bytes, addressed by byte offsets from the
+// lane's address in slot 0 (no slot-index arithmetic per span); the offset after o.
+constexpr uint32_t kRingSlot = 1024;
+template <int U>
+__device__ __forceinline__ uint32_t next_ring_slot(uint32_t o) {
+  return o + kRingSlot == (U + 1) * kRingSlot ? 0u : o + kRingSlot;
+}
+
 // Copy cursor of a lane over one piece: rows g and g+8 (clamped to row_last), spans
 // [s_lo, s_hi) of 64 bytes per row, this lane's 16 bytes at 16 c.
 struct RingLoad {

@@ -542,9 +542,7 @@ struct SpanStream {
   int li = 0;
   dev::RingLoad ld;
   // this lane's shared address in slot 0; byte offsets of the slots to fill / read next
-  static constexpr uint32_t kSlot = 1024, kRingEnd = (U + 1) * kSlot;
   uint32_t ring_lane = 0, off_in = 0, off_out = 0;
-  __device__ static uint32_t next_slot(uint32_t o) { return o + kSlot == kRingEnd ? 0u : o + kSlot; }
 
   // points the copy cursor at piece li, or the next non-empty one (none: ld.left == 0)
   __device__ void load_piece() {
@@ -556,7 +554,7 @@ struct SpanStream {
   }
   __device__ void issue_one() {
     ld.issue_at(ring_lane + off_in);
-    off_in = next_slot(off_in);
+    off_in = dev::next_ring_slot<U>(off_in);
     if (ld.left == 0 && li < count) {
       ++li;
       load_piece();
@@ -579,7 +577,7 @@ struct SpanStream {
         dev::cp_async_wait<U - 1>();
         cons.span_at(ring_lane + off_out, s, acc[0], lane);
         issue_one();
-        off_out = next_slot(off_out);
+        off_out = dev::next_ring_slot<U>(off_out);
       }
     });
     dev::mma_acc_finish<F, 1>(acc);
