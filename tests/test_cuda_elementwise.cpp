@@ -635,13 +635,19 @@ TEST(CudaArgmax, MatchesHostArgmax) {
     for (int r = 0; r < rows; ++r) EXPECT_EQ(got[r], argmax(x.data() + r * ld, n)) << "n " << n << " row " << r;
     // each row alone (one aligned row of >= 8192: the many-block kernel, twice so that
     // the second call finds its counter reset)
+    // the second time also into pinned host memory (the copy destination)
+    int32_t* host = nullptr;
+    ASSERT_EQ(cudaMallocHost(&host, 4), cudaSuccess);
     for (int rep = 0; rep < 2; ++rep)
       for (int r = 0; r < rows; ++r) {
-        cuda::argmax_rows(dx.as<float>() + r * ld, ld, 1, n, dout.as<int32_t>(), nullptr);
+        *host = -7;
+        cuda::argmax_rows(dx.as<float>() + r * ld, ld, 1, n, dout.as<int32_t>(), nullptr, rep ? host : nullptr);
         int32_t one = -1;
         dout.download(&one, 4);
         EXPECT_EQ(one, argmax(x.data() + r * ld, n)) << "one row, n " << n << " row " << r;
+        EXPECT_EQ(*host, rep ? one : -7) << "copy destination, n " << n << " row " << r;
       }
+    cudaFreeHost(host);
   }
 }
 

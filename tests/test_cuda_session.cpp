@@ -119,4 +119,55 @@ TEST(CudaSession, FeedGreedyMatchesHostArgmax) {
     EXPECT_EQ(a->save(), b->save()) << prec;
   }
 }
+
+// Greedy decoding that feeds every pick back continues the step the device started
+// ahead of the host on that pick: the picks and the state equal feed + host argmax. A
+// step run ahead and not continued (save, rollback, feed, feed_greedy of another id)
+// leaves no trace: the ring slots it wrote (the window of 16 + 16 rows wraps here) are
+// put back, so the snapshots are byte for byte those of the plain session.
+TEST(CudaSession, GreedyRunAheadMatchesFeed) {
+  if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+  DSX_REQUIRE_GOLDEN(gdir);
+  Case c = golden_case(gdir);
+  for (const char* prec : {"fp32", "bf16"}) {
+    EngineOptions o;
+    o.backend = "cuda";
+    o.precision = prec;
+    o.max_context = 512;
+    auto gpu = load_engine(c.dir, o);
+    const int64_t V = gpu->config().vocab_size;
+    auto a = gpu->new_session(), b = gpu->new_session();
+    std::vector<float> l(static_cast<size_t>(V));
+    a->feed(c.ids.data(), 40, l.data(), false);
+    int32_t next = argmax(l.data(), V);
+    ASSERT_EQ(b->feed_greedy(c.ids.data(), 40), next) << prec;
+    auto greedy_steps = [&](int n) {
+      for (int i = 0; i < n; ++i) {
+        a->feed(&next, 1, l.data(), false);
+        const int32_t want = argmax(l.data(), V);
+        ASSERT_EQ(b->feed_greedy(&next, 1), want) << prec << " position " << a->position();
+        next = want;
+      }
+    };
+    greedy_steps(30);  // eager steps, the capture, then steps continued from the run-ahead
+    EXPECT_EQ(a->save(), b->save()) << prec << ": save drops the pending step";
+    greedy_steps(5);
+    // rollback with a step pending, then other ids (feed) and greedy again
+    a->rollback(a->position() - 16);
+    b->rollback(b->position() - 16);
+    EXPECT_EQ(a->save(), b->save()) << prec << ": rollback";
+    const auto la = feed_one_by_one(*a, c.ids.data() + 60, 6, V);
+    const auto lb = feed_one_by_one(*b, c.ids.data() + 60, 6, V);
+    EXPECT_EQ(la, lb) << prec;
+    next = argmax(la.data() + 5 * V, V);
+    greedy_steps(5);
+    // feed_greedy of an id other than the pick (the pending step is dropped)
+    a->feed(c.ids.data() + 70, 1, l.data(), false);
+    EXPECT_EQ(b->feed_greedy(c.ids.data() + 70, 1), argmax(l.data(), V)) << prec;
+    next = argmax(l.data(), V);
+    greedy_steps(3);
+    EXPECT_EQ(a->save(), b->save()) << prec << ": the end";
+    EXPECT_EQ(a->tokens(), b->tokens()) << prec;
+  }
+}
 #endif  // DSX_HAVE_CUDA

@@ -73,6 +73,12 @@ bool branches_enabled() {
 
 // DSX_ENGRAM_OVERLAP=0: decode gathers the host Engram rows before the step's graph
 // (default: while the layers before the first Engram layer run)
+// DSX_RUN_AHEAD=0: greedy decode waits for the host between steps (no run-ahead)
+bool run_ahead_enabled() {
+  static const bool v = env_int("DSX_RUN_AHEAD", 1) != 0;
+  return v;
+}
+
 bool engram_overlap_enabled() {
   static const bool v = env_int("DSX_ENGRAM_OVERLAP", 1) != 0;
   return v;
@@ -555,7 +561,6 @@ class CudaSession : public Session {
   // step buffers
   Arena buf_;
   int32_t* d_ids_ = nullptr;
-  int32_t* d_pick_ = nullptr;  // feed_greedy's id
   int64_t* d_engram_ids_ = nullptr;
   int64_t* d_iota_ = nullptr;
   uint8_t *engram_stage_ = nullptr, *engram_stage_scale_ = nullptr;
@@ -563,7 +568,7 @@ class CudaSession : public Session {
   Pinned<int64_t> h_engram_rows_;
   Pinned<int32_t> h_ids_;
   Pinned<float> h_logits_;  // last-row logits of a step
-  Pinned<int32_t> h_pick_;  // feed_greedy's id
+  Pinned<int32_t> h_pick_;  // feed_greedy's id (written by the device pick itself)
   void *X_ = nullptr, *a_ = nullptr, *f_ = nullptr, *y_ = nullptr, *h_ = nullptr;
   float *pre0_ = nullptr, *pa_ = nullptr, *qa_ = nullptr, *Ca_ = nullptr, *pf_ = nullptr, *qf_ = nullptr,
         *Cf_ = nullptr;
@@ -638,6 +643,33 @@ class CudaSession : public Session {
   // of the whole step (host work included), printed when the session ends.
   bool graph_timing_ = std::getenv("DSX_GRAPH_TIMING") != nullptr;
   cudaEvent_t gt0_ = nullptr, gt1_ = nullptr;
+  cudaEvent_t gt0_ahead_ = nullptr;  // gt0_ of a step run ahead (swapped in when it goes on)
+  // Greedy run-ahead (DSX_RUN_AHEAD, default on; with Engram layers gathered on the host,
+  // i.e. graph_a_): feed_greedy's device pick is also the next step's input (d_ids_), and
+  // the next step's first part (graph_a_, which needs no host input) is launched on it
+  // before the host has read the id, so the device works while the host reads the id,
+  // returns it, hashes the Engram history and launches the rest. feed_greedy with that
+  // id at that position goes on with it (continue_ahead); anything else drops it first
+  // (drop_ahead): the ring slots it wrote are copied back from ahead_stash_ (stashed
+  // before it ran), so the state is byte for byte as if it had never run.
+  struct Ahead {
+    bool on = false;
+    int64_t pos = 0;
+    int32_t id = -1;
+  };
+  Ahead ahead_;
+  uint8_t* ahead_stash_ = nullptr;
+  // the position whose step slots ahead_stash_ holds as they were before any step there
+  // (-1: none). A step continued from the run-ahead stashes the next position's slots on
+  // copy_stream_, off the session stream, while its first part still runs.
+  int64_t stashed_pos_ = -1;
+  cudaEvent_t ev_pick_ = nullptr;
+  bool graph_serves(int64_t p) const;  // the captured decode graph runs a step at position p
+  void enqueue_pick();
+  bool picked_ = false;  // the last step ran graph_, which ends with enqueue_pick
+  void run_ahead();
+  void continue_ahead(int32_t id);
+  void drop_ahead();
   double graph_ms_ = 0, step_wall_ms_ = 0;
   int graph_runs_ = 0;
   StageTimer prof_;
@@ -656,6 +688,7 @@ CudaSession::CudaSession(const DeviceModel& m, const EngineOptions& o)
   DSX_CUDA_CHECK(cudaEventCreateWithFlags(&ev_hc_join_, cudaEventDisableTiming));
   DSX_CUDA_CHECK(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
   DSX_CUDA_CHECK(cudaEventCreateWithFlags(&ev_engram_, cudaEventDisableTiming));
+  DSX_CUDA_CHECK(cudaEventCreateWithFlags(&ev_pick_, cudaEventDisableTiming));
   if (!c_.engram_layers.empty() && engram_overlap_enabled())
     split_layer_ = *std::min_element(c_.engram_layers.begin(), c_.engram_layers.end());
   max_ctx_ = o.max_context > 0 ? o.max_context : 8192;
@@ -715,7 +748,7 @@ CudaSession::CudaSession(const DeviceModel& m, const EngineOptions& o)
       return a->take(n);
     };
     d_ids_ = static_cast<int32_t*>(take(T * 4));
-    d_pick_ = static_cast<int32_t*>(take(4));
+    ahead_stash_ = static_cast<uint8_t*>(take(static_cast<size_t>(std::max<int64_t>(1, cache_.slot_stash_bytes(split_layer_)))));
     d_engram_ids_ = static_cast<int64_t*>(take(std::max<int64_t>(1, T * nl * nc) * 8));
     engram_stage_ = static_cast<uint8_t*>(take(std::max<int64_t>(1, nl * T * nc * ed)));
     engram_stage_scale_ = static_cast<uint8_t*>(take(std::max<int64_t>(1, nl * T * nc * ed / 32)));
@@ -790,12 +823,15 @@ CudaSession::CudaSession(const DeviceModel& m, const EngineOptions& o)
 }
 
 CudaSession::~CudaSession() {
+  if (stream_) cudaStreamSynchronize(stream_);  // (a step run ahead may still be running)
   if (const char* tp = std::getenv("DSX_TRACE")) trace_dump(tp);
   if (graph_timing_ && graph_runs_ > 0)
     std::fprintf(stderr, "# DSX_GRAPH_TIMING: %d decode steps, graph %.3f ms/step on the device, %.3f ms/step wall (feed)\n",
                  graph_runs_, graph_ms_ / graph_runs_, step_wall_ms_ / graph_runs_);
   if (gt0_) cudaEventDestroy(gt0_);
   if (gt1_) cudaEventDestroy(gt1_);
+  if (gt0_ahead_) cudaEventDestroy(gt0_ahead_);
+  if (ev_pick_) cudaEventDestroy(ev_pick_);
   if (graph_) cudaGraphExecDestroy(graph_);
   if (graph_a_) cudaGraphExecDestroy(graph_a_);
   if (ev_engram_) cudaEventDestroy(ev_engram_);
@@ -1207,11 +1243,15 @@ int64_t CudaSession::decode_graph_ctx(int64_t ctx) const {
 }
 
 // The decode step's layers [l0, l1) (with the embedding / head at the ends) as a graph.
+// A graph that ends with the head also picks the greedy id (enqueue_pick).
 cudaGraphExec_t CudaSession::capture(int T, int l0, int l1) {
   cudaGraph_t g = nullptr;
+  const bool pick = l1 == c_.n_layers && T == 1;
+  if (pick) argmax_reserve(d_ids_, stream_);
   DSX_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
   try {
     forward(T, false, l0, l1);
+    if (pick) enqueue_pick();
   } catch (...) {
     cudaStreamEndCapture(stream_, &g);
     if (g) cudaGraphDestroy(g);
@@ -1231,6 +1271,9 @@ void CudaSession::step(const int32_t* ids, int T, bool all_rows) {
       fail("token id ", ids[t], " at position ", pos_ + t, " is outside the vocabulary (", c_.vocab_size, ")");
   if (pos_ + T > max_ctx_)
     fail("context of ", pos_ + T, " tokens exceeds this session's capacity of ", max_ctx_, " (EngineOptions::max_context)");
+  drop_ahead();
+  stashed_pos_ = -1;
+  picked_ = false;
   // the pinned input buffers may still be read by the previous step's copies
   DSX_CUDA_CHECK(cudaStreamSynchronize(stream_));
   std::memcpy(h_ids_.data(), ids, static_cast<size_t>(T) * 4);
@@ -1241,7 +1284,7 @@ void CudaSession::step(const int32_t* ids, int T, bool all_rows) {
     // A new bound first runs one step eagerly, so that every kernel variant it selects
     // has been launched (and has set its attributes) before the capture.
     const int64_t want = decode_graph_ctx(pos_ + 1);
-    if (graph_ && (pos_ + 1 > graph_ctx_ || want * 4 <= graph_ctx_)) {
+    if (graph_ && !graph_serves(pos_)) {
       DSX_CUDA_CHECK(cudaGraphExecDestroy(graph_));
       graph_ = nullptr;
       if (graph_a_) DSX_CUDA_CHECK(cudaGraphExecDestroy(graph_a_));
@@ -1272,6 +1315,7 @@ void CudaSession::step(const int32_t* ids, int T, bool all_rows) {
       }
       DSX_CUDA_CHECK(cudaGraphLaunch(graph_, stream_));
       if (graph_timing_) DSX_CUDA_CHECK(cudaEventRecord(gt1_, stream_));
+      picked_ = true;
     } else {
       stage_engram(ids, T, stream_);
       ctx_bound_ = warm_ctx_ = want;
@@ -1322,16 +1366,84 @@ int32_t CudaSession::feed_greedy(const int32_t* ids, int64_t n) {
   DSX_CHECK(n > 0, "feed: no tokens");
   const auto wall0 = std::chrono::steady_clock::now();
   const bool timed = graph_timing_ && graph_ && n == 1;
-  for (int64_t p = 0; p < n; p += tmax_) step(ids + p, static_cast<int>(std::min<int64_t>(tmax_, n - p)), false);
-  // the last step's last-row logits are logits_[0 .. V)
-  argmax_rows(logits_, c_.vocab_size, 1, c_.vocab_size, d_pick_, stream_);
-  DSX_CUDA_CHECK(cudaMemcpyAsync(h_pick_.data(), d_pick_, 4, cudaMemcpyDeviceToHost, stream_));
-  DSX_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (n == 1 && ahead_.on && ids[0] == ahead_.id && pos_ == ahead_.pos) {
+    continue_ahead(ids[0]);
+  } else {
+    for (int64_t p = 0; p < n; p += tmax_) step(ids + p, static_cast<int>(std::min<int64_t>(tmax_, n - p)), false);
+  }
+  if (!picked_) enqueue_pick();  // (the decode graph picks itself)
+  DSX_CUDA_CHECK(cudaEventRecord(ev_pick_, stream_));
+  run_ahead();
+  DSX_CUDA_CHECK(cudaEventSynchronize(ev_pick_));
+  const int32_t pick = h_pick_.data()[0];
+  if (ahead_.on) ahead_.id = pick;
   if (timed) note_graph_time(wall0);
-  return h_pick_.data()[0];
+  return pick;
+}
+
+// The greedy id from the last step's last-row logits (logits_[0 .. V)): into pinned host
+// memory (written by the kernel) and into d_ids_, the next step's input.
+void CudaSession::enqueue_pick() {
+  argmax_rows(logits_, c_.vocab_size, 1, c_.vocab_size, d_ids_, stream_, h_pick_.data());
+}
+
+bool CudaSession::graph_serves(int64_t p) const {
+  const int64_t want = decode_graph_ctx(p + 1);
+  return graph_ && p + 1 <= graph_ctx_ && want * 4 > graph_ctx_;
+}
+
+// After a decode step's pick (enqueued, not yet read): the next step's first graph on
+// the pick, when the captured graphs serve that step. The ring slots it is about to
+// write are stashed first (a tiny copy on the session stream, before it).
+void CudaSession::run_ahead() {
+  if (!run_ahead_enabled() || !graph_a_ || prof_.on() || pos_ + 1 > max_ctx_ || !graph_serves(pos_)) return;
+  if (stashed_pos_ != pos_) cache_.stash_slots(split_layer_, pos_, ahead_stash_, stream_);
+  stashed_pos_ = pos_;
+  if (graph_timing_) {
+    if (!gt0_ahead_) DSX_CUDA_CHECK(cudaEventCreate(&gt0_ahead_));
+    DSX_CUDA_CHECK(cudaEventRecord(gt0_ahead_, stream_));
+  }
+  DSX_CUDA_CHECK(cudaGraphLaunch(graph_a_, stream_));
+  ahead_.on = true;
+  ahead_.pos = pos_;
+  ahead_.id = -1;  // (set once the host has read the pick)
+}
+
+// The step at pos_ with id, whose first graph runs already: the Engram rows of the
+// history, then the rest of the step (as step() does after graph_a_).
+void CudaSession::continue_ahead(int32_t id) {
+  ahead_.on = false;
+  if (graph_timing_) std::swap(gt0_, gt0_ahead_);
+  // the next position's slots (nothing pending writes them: graph_a_ writes this
+  // position's, graph_ only layers from split_layer_ on)
+  stashed_pos_ = -1;
+  if (pos_ + 2 <= max_ctx_ && graph_serves(pos_ + 1)) {
+    cache_.stash_slots(split_layer_, pos_ + 1, ahead_stash_, copy_stream_);
+    stashed_pos_ = pos_ + 1;
+  }
+  stage_engram(&id, 1, copy_stream_);
+  DSX_CUDA_CHECK(cudaEventRecord(ev_engram_, copy_stream_));
+  DSX_CUDA_CHECK(cudaStreamWaitEvent(stream_, ev_engram_, 0));
+  DSX_CUDA_CHECK(cudaGraphLaunch(graph_, stream_));
+  if (graph_timing_) DSX_CUDA_CHECK(cudaEventRecord(gt1_, stream_));
+  picked_ = true;
+  ++decode_steps_;
+  ++pos_;
+  tokens_.push_back(id);
+}
+
+// A step run ahead that will not go on: its ring slots back as they were (ordered after
+// it on the session stream). The device position never moved (graph_a_ does not
+// advance it); anything else it wrote is scratch or lies past the cache's row counts.
+void CudaSession::drop_ahead() {
+  if (!ahead_.on) return;
+  ahead_.on = false;
+  cache_.unstash_slots(split_layer_, ahead_.pos, ahead_stash_, stream_);
+  DSX_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
 std::vector<uint8_t> CudaSession::save() const {
+  const_cast<CudaSession*>(this)->drop_ahead();  // (restores state bytes; logically const)
   DSX_CUDA_CHECK(cudaStreamSynchronize(stream_));
   KVState st = make_kv_state(c_, cache_.geometry().rollback_depth, m_.fingerprint);
   cache_.download(st, stream_);
@@ -1344,6 +1456,8 @@ void CudaSession::restore(const std::vector<uint8_t>& snap) {
   KVState st = make_kv_state(c_, cache_.geometry().rollback_depth, m_.fingerprint);
   st.restore(snap.data(), snap.size());
   if (st.pos > max_ctx_) fail("snapshot of ", st.pos, " tokens exceeds this session's capacity of ", max_ctx_);
+  drop_ahead();
+  stashed_pos_ = -1;
   DSX_CUDA_CHECK(cudaStreamSynchronize(stream_));
   cache_.upload(st, stream_);
   pos_ = st.pos;
@@ -1352,6 +1466,8 @@ void CudaSession::restore(const std::vector<uint8_t>& snap) {
 
 bool CudaSession::synthetic_fill(int64_t n, uint64_t seed) {
   if (pos_ + n > max_ctx_) fail("synthetic_fill: ", pos_ + n, " tokens exceed the capacity of ", max_ctx_);
+  drop_ahead();
+  stashed_pos_ = -1;
   const auto& g = cache_.geometry();
   const int64_t hd = g.head_dim, id = g.idx_dim, end = pos_ + n;
   uint64_t k = seed;
@@ -1380,6 +1496,8 @@ void CudaSession::rollback(int64_t p) {
   const int depth = cache_.geometry().rollback_depth;
   if (p > pos_ || p < 0 || pos_ - p > depth)
     fail("cannot roll back from position ", pos_, " to ", p, " (at most ", depth, " tokens)");
+  drop_ahead();
+  stashed_pos_ = -1;
   DSX_CUDA_CHECK(cudaStreamSynchronize(stream_));
   cache_.set_position(p, stream_);
   pos_ = p;

@@ -77,13 +77,17 @@ __device__ __forceinline__ int32_t pick(const float* row, int64_t bi) {
 // One block per row.
 constexpr int kThreads = 1024;
 __global__ void __launch_bounds__(kThreads) argmax_kernel(const float* __restrict__ x, int64_t ld, int64_t n,
-                                                          int32_t* __restrict__ out) {
+                                                          int32_t* __restrict__ out, int32_t* copy) {
   const float* row = x + static_cast<int64_t>(blockIdx.x) * ld;
   float bv;
   int64_t bi;
   scan<kThreads, 8>(row, 0, n, (reinterpret_cast<uintptr_t>(row) & 15) == 0, bv, bi);
   block_best<kThreads>(bv, bi);
-  if (threadIdx.x == 0) out[blockIdx.x] = pick(row, bi);
+  if (threadIdx.x == 0) {
+    const int32_t p = pick(row, bi);
+    out[blockIdx.x] = p;
+    if (copy) copy[blockIdx.x] = p;
+  }
 }
 
 // One row over many blocks (decode's greedy pick: one block alone needed ~10 us for the
@@ -100,7 +104,7 @@ struct MultiWs {
 };
 __global__ void __launch_bounds__(kMultiThreads) argmax_multi_kernel(const float* __restrict__ row, int64_t n,
                                                                      int64_t chunk, MultiWs* ws,
-                                                                     int32_t* __restrict__ out) {
+                                                                     int32_t* __restrict__ out, int32_t* copy) {
   const int64_t lo = static_cast<int64_t>(blockIdx.x) * chunk;
   float bv;
   int64_t bi;
@@ -126,12 +130,18 @@ __global__ void __launch_bounds__(kMultiThreads) argmax_multi_kernel(const float
     const int64_t i = __ldcg(&ws->i[b]);
     if (better(v, i, bv, bi)) bv = v, bi = i;
   }
-  *out = pick(row, bi);
+  const int32_t p = pick(row, bi);
+  *out = p;
+  if (copy) *copy = p;
 }
 
 }  // namespace
 
-void argmax_rows(const float* x, int64_t ld, int rows, int64_t n, int32_t* out, cudaStream_t stream) {
+void argmax_reserve(const int32_t* out, cudaStream_t stream) {
+  DSX_CHECK(persistent_scratch(out, 1, sizeof(MultiWs), stream) != nullptr, "argmax_reserve: called during a capture");
+}
+
+void argmax_rows(const float* x, int64_t ld, int rows, int64_t n, int32_t* out, cudaStream_t stream, int32_t* copy) {
   if (rows <= 0) return;
   DSX_CHECK(n >= 1 && n <= (int64_t{1} << 31) - 1 && ld >= n, "argmax_rows: bad row length ", n);
   // one long aligned row: many blocks (chunks of a multiple of 4 elements, >= 4096); the
@@ -140,12 +150,12 @@ void argmax_rows(const float* x, int64_t ld, int rows, int64_t n, int32_t* out, 
     const int64_t chunk = std::max<int64_t>(4096, ((n + kMaxMultiBlocks - 1) / kMaxMultiBlocks + 3) / 4 * 4);
     const int64_t blocks = (n + chunk - 1) / chunk;
     if (auto* ws = static_cast<MultiWs*>(persistent_scratch(out, 1, sizeof(MultiWs), stream))) {
-      argmax_multi_kernel<<<static_cast<unsigned>(blocks), kMultiThreads, 0, stream>>>(x, n, chunk, ws, out);
+      argmax_multi_kernel<<<static_cast<unsigned>(blocks), kMultiThreads, 0, stream>>>(x, n, chunk, ws, out, copy);
       DSX_CUDA_CHECK(cudaGetLastError());
       return;
     }
   }
-  argmax_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(x, ld, n, out);
+  argmax_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(x, ld, n, out, copy);
   DSX_CUDA_CHECK(cudaGetLastError());
 }
 

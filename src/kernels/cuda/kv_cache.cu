@@ -380,7 +380,70 @@ __global__ void proj_store_kernel(const float* __restrict__ kv, const float* __r
 
 __global__ void advance_kernel(int64_t* d_pos, int64_t delta) { *d_pos += delta; }
 
+// Block b copies span b (a few hundred bytes to a few KB: byte-wise is enough).
+constexpr int kMaxSpans = 16;
+struct ByteSpans {
+  const uint8_t* src[kMaxSpans];
+  uint8_t* dst[kMaxSpans];
+  int64_t n[kMaxSpans];
+};
+__global__ void copy_spans_kernel(ByteSpans s) {
+  const uint8_t* src = s.src[blockIdx.x];
+  uint8_t* dst = s.dst[blockIdx.x];
+  for (int64_t k = threadIdx.x; k < s.n[blockIdx.x]; k += blockDim.x) dst[k] = src[k];
+}
+
+// dst[i] <- src[i] for the listed spans, kMaxSpans per launch.
+void copy_spans(const std::vector<std::pair<const uint8_t*, uint8_t*>>& ptrs, const std::vector<int64_t>& n,
+                cudaStream_t stream) {
+  for (size_t i0 = 0; i0 < ptrs.size(); i0 += kMaxSpans) {
+    ByteSpans s{};
+    const size_t m = std::min<size_t>(kMaxSpans, ptrs.size() - i0);
+    for (size_t i = 0; i < m; ++i) s.src[i] = ptrs[i0 + i].first, s.dst[i] = ptrs[i0 + i].second, s.n[i] = n[i0 + i];
+    copy_spans_kernel<<<static_cast<unsigned>(m), 256, 0, stream>>>(s);
+    check_launch("copy_spans");
+  }
+}
+
 }  // namespace
+
+std::vector<std::pair<uint8_t*, int64_t>> DeviceKVCache::step_slots(int l1, int64_t p) const {
+  DSX_CHECK(l1 >= 0 && l1 <= g_.n_layers && p >= 0, "DeviceKVCache: bad step slots (layers ", l1, ", position ", p, ")");
+  std::vector<std::pair<uint8_t*, int64_t>> v;
+  const int hd = g_.head_dim;
+  const int64_t w = p % g_.window_cap();
+  for (int l = 0; l < l1; ++l) {
+    const Layer& L = layers_[static_cast<size_t>(l)];
+    v.emplace_back(L.win_codes.as<uint8_t>() + w * hd, hd);
+    v.emplace_back(L.win_scales.as<uint8_t>() + w * (hd / 32), hd / 32);
+    if (const int pc = g_.proj_cap(l); pc > 0) {
+      const int64_t s = (p % pc) * hd * 4;
+      v.emplace_back(L.proj_kv.as<uint8_t>() + s, hd * 4);
+      v.emplace_back(L.proj_gate.as<uint8_t>() + s, hd * 4);
+    }
+  }
+  return v;
+}
+
+int64_t DeviceKVCache::slot_stash_bytes(int l1) const {
+  int64_t n = 0;
+  for (const auto& [ptr, bytes] : step_slots(l1, 0)) n += bytes;
+  return n;
+}
+
+void DeviceKVCache::stash_slots(int l1, int64_t p, uint8_t* stash, cudaStream_t stream) const {
+  std::vector<std::pair<const uint8_t*, uint8_t*>> ptrs;
+  std::vector<int64_t> n;
+  for (const auto& [ring, bytes] : step_slots(l1, p)) ptrs.emplace_back(ring, stash), n.push_back(bytes), stash += bytes;
+  copy_spans(ptrs, n, stream);
+}
+
+void DeviceKVCache::unstash_slots(int l1, int64_t p, const uint8_t* stash, cudaStream_t stream) {
+  std::vector<std::pair<const uint8_t*, uint8_t*>> ptrs;
+  std::vector<int64_t> n;
+  for (const auto& [ring, bytes] : step_slots(l1, p)) ptrs.emplace_back(stash, ring), n.push_back(bytes), stash += bytes;
+  copy_spans(ptrs, n, stream);
+}
 
 void advance_position(int64_t* d_pos, int64_t delta, cudaStream_t stream) {
   advance_kernel<<<1, 1, 0, stream>>>(d_pos, delta);

@@ -32,6 +32,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "kernels/cuda/cuda_util.h"
@@ -118,12 +119,25 @@ class DeviceKVCache {
   int64_t position() const;  // reads d_pos (synchronous)
   void set_position(int64_t pos, cudaStream_t stream = nullptr);
 
+  // The ring slots that a one-token step at position p writes in layers [0, l1): the
+  // window row (codes and scales) and, on ratio > 1 KV sources, the projection rows.
+  // A step run ahead of the host and then dropped (CudaSession's greedy run-ahead) puts
+  // them back, which leaves the state byte for byte as if it had never run (compressed
+  // rows and index keys it may have emitted lie past the row count: never read, never
+  // saved, rewritten by the next step there). stash_slots copies the slots into `stash`
+  // (slot_stash_bytes(l1) device bytes), unstash_slots copies them back (async on stream).
+  int64_t slot_stash_bytes(int l1) const;
+  void stash_slots(int l1, int64_t p, uint8_t* stash, cudaStream_t stream) const;
+  void unstash_slots(int l1, int64_t p, const uint8_t* stash, cudaStream_t stream);
+
  private:
   struct Layer {
     DeviceBuffer win_codes, win_scales;
     DeviceBuffer cmp_packed, cmp_scales, key_packed, key_scales;
     DeviceBuffer proj_kv, proj_gate;
   };
+  // (ring address, bytes) of the slots of slot_stash_bytes, in stash order
+  std::vector<std::pair<uint8_t*, int64_t>> step_slots(int l1, int64_t p) const;
   DeviceKVGeometry g_;
   std::vector<Layer> layers_;
   DeviceBuffer pos_;
