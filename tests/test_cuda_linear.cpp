@@ -32,6 +32,7 @@
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/gemv.h"
 #include "kernels/cuda/quant_act.h"
+#include "runtime/sampler.h"
 #include "kernels/cuda/router.h"
 #include "util/numerics.h"
 
@@ -1056,3 +1057,61 @@ TEST(CudaRouter, TiesPreferLowerId) {
 }
 
 #endif  // DSX_HAVE_CUDA
+
+// GemvOpts::pick: the greedy id of a one-token product, folded into the CUDA-core kernel
+// (large bf16 matrices, like the head) or by argmax_rows after the other paths, against the
+// host argmax of the same output row: ties (a copy of the largest row placed before it), a
+// NaN row, a NaN at index 0, repeated calls (the workspace resets itself), the copy
+// destination in pinned host memory.
+TEST(CudaGemv, GreedyPick) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(17);
+  int32_t* host = nullptr;
+  ASSERT_EQ(cudaMallocHost(&host, 4), cudaSuccess);
+  DeviceBuffer dpick(4);
+  const Shape shapes[] = {{70000, 256}, {8192, 5120}, {4096, 256}, {300, 256}};
+  for (const Shape& s : shapes) {
+    for (int variant = 0; variant < 3; ++variant) {
+      Weight W = make_weight(WFormat::BF16, s.N, s.K, rng);
+      const std::vector<float> x = twin::random_acts(1, s.K, rng, true);
+      DeviceBuffer dx = upload_act(x, DType::BF16), dy(static_cast<size_t>(s.N) * 4);
+      auto run = [&](bool with_pick) {
+        cuda::GemvOpts o;
+        o.pick = with_pick ? dpick.as<int32_t>() : nullptr;
+        o.pick_copy = with_pick ? host : nullptr;
+        *host = -5;
+        cuda::gemv(W.d.q, DType::BF16, dx.get(), s.K, 1, DType::F32, dy.get(), s.N, o, nullptr);
+        DSX_CUDA_CHECK(cudaDeviceSynchronize());
+        return download_act(dy, static_cast<size_t>(s.N), DType::F32);
+      };
+      std::vector<float> y = run(false);
+      const int64_t row_bytes = s.K * 2;
+      auto set_row = [&](int64_t dst, const uint8_t* src) {
+        std::memcpy(W.h.data.data() + dst * row_bytes, src, static_cast<size_t>(row_bytes));
+      };
+      const int64_t m = dsx::argmax(y.data(), s.N);
+      if (variant >= 1 && m > 0) {  // a tie before the largest
+        std::vector<uint8_t> row(W.h.data.begin() + m * row_bytes, W.h.data.begin() + (m + 1) * row_bytes);
+        set_row(static_cast<int64_t>(rng() % static_cast<uint64_t>(m)), row.data());
+      }
+      if (variant >= 1) {  // a NaN row (bf16 0x7fc0)
+        std::vector<uint8_t> nanrow(static_cast<size_t>(row_bytes));
+        for (int64_t k = 0; k < s.K; ++k) nanrow[2 * k] = 0xc0, nanrow[2 * k + 1] = 0x7f;
+        set_row(static_cast<int64_t>(rng() % static_cast<uint64_t>(s.N)), nanrow.data());
+        if (variant == 2) set_row(0, nanrow.data());
+      }
+      W.d = upload_matrix(W.h.q);
+      for (int rep = 0; rep < 2; ++rep) {
+        y = run(true);
+        int32_t got = -1;
+        dpick.download(&got, 4);
+        const int32_t want = dsx::argmax(y.data(), s.N);
+        EXPECT_EQ(got, want) << "N " << s.N << " K " << s.K << " variant " << variant << " rep " << rep << " path "
+                             << cuda::gemv_last_path();
+        EXPECT_EQ(*host, want) << "copy destination";
+        if (variant == 2) EXPECT_EQ(want, 0);
+      }
+    }
+  }
+  cudaFreeHost(host);
+}

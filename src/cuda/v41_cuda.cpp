@@ -536,9 +536,10 @@ class CudaSession : public Session {
   // that stream (concurrent branches must not share one).
   // staged: GemvOpts::staged (one token); out_staged: GemvOpts::out_staged. Returns
   // whether out_staged was written (gemv_last_staged).
+  // pick / pick_copy: GemvOpts::pick (one token: the greedy id of y).
   bool lin(const QMatrix& W, const void* x, int64_t ldx, int T, Act yt, void* y, int64_t ldy, bool qa8,
            int groups = 1, cudaStream_t st = nullptr, const uint32_t* staged = nullptr,
-           uint32_t* out_staged = nullptr);
+           uint32_t* out_staged = nullptr, int32_t* pick = nullptr, int32_t* pick_copy = nullptr);
   // A staged-activation buffer (producer -> consumer QA8 codes) for a chunk of T tokens:
   // null unless T = 1, QA8 blocks of 32 and DSX_STAGED_X is not 0.
   uint32_t* staged_x(uint32_t* buf, int T) const {
@@ -666,7 +667,8 @@ class CudaSession : public Session {
   cudaEvent_t ev_pick_ = nullptr;
   bool graph_serves(int64_t p) const;  // the captured decode graph runs a step at position p
   void enqueue_pick();
-  bool picked_ = false;  // the last step ran graph_, which ends with enqueue_pick
+  bool picked_ = false;        // the last step ran graph_, whose head picks as enqueue_pick does
+  bool pick_in_head_ = false;  // (while capturing graph_: the head's product also picks)
   void run_ahead();
   void continue_ahead(int32_t id);
   void drop_ahead();
@@ -858,12 +860,16 @@ GemvOpts CudaSession::gemv_opts(bool qa8, int groups, cudaStream_t st) const {
 }
 
 bool CudaSession::lin(const QMatrix& W, const void* x, int64_t ldx, int T, Act yt, void* y, int64_t ldy, bool qa8,
-                      int groups, cudaStream_t st, const uint32_t* staged, uint32_t* out_staged) {
+                      int groups, cudaStream_t st, const uint32_t* staged, uint32_t* out_staged, int32_t* pick,
+                      int32_t* pick_copy) {
   if (!st) st = stream_;
+  DSX_CHECK(!pick || T == 1, "lin: a pick needs one token");
   if (T <= kGemvMaxT) {
     GemvOpts o = gemv_opts(qa8, groups, st);
     o.staged = staged;
     o.out_staged = out_staged;
+    o.pick = pick;
+    o.pick_copy = pick_copy;
     gemv(W, act_, x, ldx, T, yt, y, ldy, o, st);
     return out_staged && gemv_last_staged();
   } else {
@@ -1039,7 +1045,9 @@ void CudaSession::forward(int T, bool all_rows, int l0, int l1) {
   if (all_rows) {
     lin(m_.head, h_, D, T, Act::F32, logits_, V, false);
   } else {
-    lin(m_.head, static_cast<char*>(h_) + static_cast<int64_t>(T - 1) * D * ab_, D, 1, Act::F32, logits_, V, false);
+    // (a decode graph's head also picks the greedy id: enqueue_pick, folded into the product)
+    lin(m_.head, static_cast<char*>(h_) + static_cast<int64_t>(T - 1) * D * ab_, D, 1, Act::F32, logits_, V, false, 1,
+        nullptr, nullptr, nullptr, pick_in_head_ ? d_ids_ : nullptr, pick_in_head_ ? h_pick_.data() : nullptr);
   }
   advance_pos(cache_.d_pos(), T, stream_);
   prof_.mark("head", stream_);
@@ -1247,12 +1255,17 @@ int64_t CudaSession::decode_graph_ctx(int64_t ctx) const {
 cudaGraphExec_t CudaSession::capture(int T, int l0, int l1) {
   cudaGraph_t g = nullptr;
   const bool pick = l1 == c_.n_layers && T == 1;
-  if (pick) argmax_reserve(d_ids_, stream_);
+  if (pick) {
+    gemv_pick_reserve(d_ids_, stream_);
+    argmax_reserve(d_ids_, stream_);  // (in case the head runs another path)
+  }
   DSX_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
   try {
+    pick_in_head_ = pick;
     forward(T, false, l0, l1);
-    if (pick) enqueue_pick();
+    pick_in_head_ = false;
   } catch (...) {
+    pick_in_head_ = false;
     cudaStreamEndCapture(stream_, &g);
     if (g) cudaGraphDestroy(g);
     throw;

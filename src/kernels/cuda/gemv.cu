@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 
+#include "kernels/cuda/argmax.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/gemv_device.cuh"
 #include "kernels/cuda/gemv_ring_device.cuh"
@@ -46,7 +47,53 @@ struct Params {
   int yt;
   int64_t ldy;
   float* part;  // KB > 1: partial sums [KB][T][G*N]
+  // GemvOpts::pick (T = 1, G = 1, KB = 1, f32 y): the best key so far and the blocks' ticket
+  unsigned long long* pick_key;
+  unsigned* pick_ticket;
+  int32_t* pick;
+  int32_t* pick_copy;
 };
+
+// The greedy pick's order as one 64-bit key: larger values first, then smaller indices
+// (the float's bits made monotone, above the complemented index); NaN: 0, below every
+// value (-inf included). -0 counts as +0, as the comparisons of argmax do.
+__device__ __forceinline__ unsigned long long pick_key_of(float v, int64_t n) {
+  if (isnan(v)) return 0ull;
+  const uint32_t u = v == 0.0f ? 0u : __float_as_uint(v);
+  const uint32_t o = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return (static_cast<unsigned long long>(o) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(n));
+}
+
+// The end of a picking launch (all threads of every block): the block's best key into
+// *pick_key; the last block to count in writes the id and resets the workspace.
+__device__ __forceinline__ void pick_finish(unsigned long long best, const Params& p) {
+  __shared__ unsigned long long wbest[kWarps];
+  __shared__ bool last;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const unsigned long long b = __shfl_xor_sync(0xffffffffu, best, o);
+    best = b > best ? b : best;
+  }
+  if ((threadIdx.x & 31) == 0) wbest[threadIdx.x >> 5] = best;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kWarps; ++w) best = wbest[w] > best ? wbest[w] : best;
+    if (best) atomicMax(p.pick_key, best);
+    __threadfence();
+    last = atomicAdd(p.pick_ticket, 1u) == gridDim.x * gridDim.y * gridDim.z - 1;
+    if (last) {
+      __threadfence();
+      const unsigned long long k = atomicAdd(p.pick_key, 0ull);
+      const float y0 = __ldcg(static_cast<const float*>(p.y));
+      const int32_t id = (k == 0ull || isnan(y0)) ? 0 : static_cast<int32_t>(0xFFFFFFFFu - static_cast<uint32_t>(k));
+      p.pick[0] = id;
+      if (p.pick_copy) p.pick_copy[0] = id;
+      *p.pick_key = 0ull;  // (every block has counted in)
+      *p.pick_ticket = 0u;
+      __threadfence();
+    }
+  }
+}
 
 template <WFormat F, int TT>
 __global__ void __launch_bounds__(kThreads) gemv_kernel(const Params p) {
@@ -73,6 +120,7 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const Params p) {
 
   const int64_t GN = static_cast<int64_t>(p.G) * p.N;
   const int64_t grow0 = static_cast<int64_t>(g) * p.N;  // first weight row of the group
+  unsigned long long best = 0ull;  // GemvOpts::pick: the best key this thread stored
 
   for (int t0 = 0; t0 < p.T; t0 += TT) {
     const int nt = min(TT, p.T - t0);
@@ -107,10 +155,15 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const Params p) {
             const int64_t n = n0 + r;
             if (n < p.N && t < nt) {
               const int64_t tt = t0 + t;
-              if (p.KB > 1)
+              if (p.KB > 1) {
                 p.part[(static_cast<int64_t>(kb) * p.T + tt) * GN + grow0 + n] = s;
-              else
+              } else {
                 dev::store_act(p.y, p.yt, tt * p.ldy + grow0 + n, s);
+                if (p.pick_key) {
+                  const unsigned long long k = pick_key_of(s, grow0 + n);
+                  best = k > best ? k : best;
+                }
+              }
             }
           }
         }
@@ -124,16 +177,22 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const Params p) {
               const int64_t n = n0 + r;
               if (n < p.N && t < nt) {
                 const int64_t tt = t0 + t;
-                if (p.KB > 1)
+                if (p.KB > 1) {
                   p.part[(static_cast<int64_t>(kb) * p.T + tt) * GN + grow0 + n] = acc[r][t];
-                else
+                } else {
                   dev::store_act(p.y, p.yt, tt * p.ldy + grow0 + n, acc[r][t]);
+                  if (p.pick_key) {
+                    const unsigned long long k = pick_key_of(acc[r][t], grow0 + n);
+                    best = k > best ? k : best;
+                  }
+                }
               }
             }
           }
       }
     }
   }
+  if (p.pick_key) pick_finish(best, p);
 }
 
 // y[t, n] = sum_kb part[kb][t][n], fixed order.
@@ -760,10 +819,30 @@ size_t gemv_split_ws_bytes(const QMatrix& W, int T, const GemvOpts& o) {
   return pl.KB > 1 ? static_cast<size_t>(pl.KB) * T * W.rows * sizeof(float) : 0;
 }
 
+namespace {
+struct PickWs {
+  unsigned long long key;
+  unsigned ticket;
+};
+}  // namespace
+
+void gemv_pick_reserve(const int32_t* pick, cudaStream_t stream) {
+  DSX_CHECK(persistent_scratch(pick, 2, sizeof(PickWs), stream) != nullptr, "gemv_pick_reserve: called during a capture");
+}
+
 void gemv(const QMatrix& W, DType xt, const void* x, int64_t ldx, int T, DType yt, void* y, int64_t ldy,
           const GemvOpts& o, cudaStream_t stream) {
   t_last_staged = o.norm_staged == nullptr && o.out_staged == nullptr;
   if (T <= 0 || W.rows <= 0) return;
+  if (o.pick)
+    DSX_CHECK(T == 1 && o.groups == 1 && yt == DType::F32 && ldy >= W.rows, "gemv ", W.name,
+              ": a pick needs one token, one group and f32 output");
+  // GemvOpts::pick: folded into the CUDA-core kernel (one pass over K, its workspace
+  // available), else argmax_rows after the product
+  auto* pick_ws = o.pick ? static_cast<PickWs*>(persistent_scratch(o.pick, 2, sizeof(PickWs), stream)) : nullptr;
+  auto pick_after = [&]() {
+    if (o.pick) argmax_rows(static_cast<const float*>(y), ldy, 1, W.rows, o.pick, stream, o.pick_copy);
+  };
   check_args(W, o);
   const int G = o.groups;
   const bool qa8 = uses_qa8(W, o);
@@ -790,18 +869,24 @@ void gemv(const QMatrix& W, DType xt, const void* x, int64_t ldx, int T, DType y
   if (o.norm_w) {
     // the input norm: fused into the tensor-core kernel's staging, else rmsnorm first
     DSX_CHECK(o.norm_out && G == 1, "gemv ", W.name, ": an input norm needs norm_out and one group");
-    if (gemv_mma(W, xt, x, ldx, T, yt, y, ldy, o, qa8, p.W, stream, mt))
+    if (gemv_mma(W, xt, x, ldx, T, yt, y, ldy, o, qa8, p.W, stream, mt)) {
+      pick_after();
       return note_path(W, xt, yt, T, o, qa8, mt.path, &mt, nullptr);
+    }
     rmsnorm(xt, x, o.norm_out, o.norm_w, T, K, o.norm_eps, nullptr, nullptr, stream);
     GemvOpts plain = o;
     plain.norm_w = nullptr;
     plain.norm_out = nullptr;
     return gemv(W, xt, o.norm_out, K, T, yt, y, ldy, plain, stream);
   }
-  if (gemv_stream(W, p.W, xt, x, ldx, T, yt, y, ldy, o, qa8, stream))
+  if (gemv_stream(W, p.W, xt, x, ldx, T, yt, y, ldy, o, qa8, stream)) {
+    pick_after();
     return note_path(W, xt, yt, T, o, qa8, "stream", nullptr, nullptr);
-  if (gemv_mma(W, xt, x, ldx, T, yt, y, ldy, o, qa8, p.W, stream, mt))
+  }
+  if (gemv_mma(W, xt, x, ldx, T, yt, y, ldy, o, qa8, p.W, stream, mt)) {
+    pick_after();
     return note_path(W, xt, yt, T, o, qa8, mt.path, &mt, nullptr);
+  }
   const Plan pl = make_plan(W.fmt, N, K, G, T, qa8, o.qblock, o.split_ws ? o.split_ws_bytes : 0, sm_count());
   note_path(W, xt, yt, T, o, qa8, "cuda-core", &mt, &pl);
   p.N = N;
@@ -824,6 +909,13 @@ void gemv(const QMatrix& W, DType xt, const void* x, int64_t ldx, int T, DType y
   p.yt = static_cast<int>(yt);
   p.ldy = ldy;
   p.part = pl.KB > 1 ? o.split_ws : nullptr;
+  const bool fused_pick = pick_ws && pl.KB == 1;
+  if (fused_pick) {
+    p.pick_key = &pick_ws->key;
+    p.pick_ticket = &pick_ws->ticket;
+    p.pick = o.pick;
+    p.pick_copy = o.pick_copy;
+  }
 
   switch (W.fmt) {
     case WFormat::FP8_BLOCK: launch_fmt<WFormat::FP8_BLOCK>(p, pl, stream); break;
@@ -838,6 +930,7 @@ void gemv(const QMatrix& W, DType xt, const void* x, int64_t ldx, int T, DType y
                                                                            static_cast<int>(yt), ldy);
     DSX_CUDA_CHECK(cudaGetLastError());
   }
+  if (!fused_pick) pick_after();
 }
 
 }  // namespace dsx::cuda

@@ -62,7 +62,19 @@ struct GemvOpts {
   // otherwise.
   uint32_t* norm_staged = nullptr;
   uint32_t* out_staged = nullptr;
+  // Optional, one token, one group, f32 output: the greedy id of the output row (the
+  // first index of its largest value; NaNs never win; a NaN at index 0 gives 0, as
+  // argmax_rows) into pick[0] and, when set, pick_copy[0] (e.g. pinned host memory). The
+  // CUDA-core kernel folds it into its epilogue (each block its best, the last block to
+  // finish writes the id: no launch of its own); other paths run argmax_rows after the
+  // product. Calls with one pick pointer must be ordered (one stream); its workspace is
+  // allocated by gemv_pick_reserve, or on the first call outside a stream capture.
+  int32_t* pick = nullptr;
+  int32_t* pick_copy = nullptr;
 };
+
+// Allocates GemvOpts::pick's workspace for `pick` (outside a stream capture).
+void gemv_pick_reserve(const int32_t* pick, cudaStream_t stream);
 
 // Whether the last gemv() call of this thread wrote the staged outputs it was given.
 bool gemv_last_staged();
