@@ -33,6 +33,15 @@ Case golden_case(const std::string& gdir) {
   return c;
 }
 
+// The golden model on the CUDA backend, sessions of up to 512 tokens.
+std::unique_ptr<Engine> cuda_engine(const Case& c, const char* precision) {
+  EngineOptions o;
+  o.backend = "cuda";
+  o.precision = precision;
+  o.max_context = 512;
+  return load_engine(c.dir, o);
+}
+
 std::vector<float> feed_rows(Session& s, const int32_t* ids, int64_t n, int64_t V) {
   std::vector<float> l(static_cast<size_t>(n * V));
   s.feed(ids, n, l.data(), true);
@@ -51,11 +60,7 @@ TEST(CudaSession, SaveRestoreRollbackAndCrossBackend) {
   if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
   DSX_REQUIRE_GOLDEN(gdir);
   Case c = golden_case(gdir);
-  EngineOptions o;
-  o.backend = "cuda";
-  o.precision = "fp32";
-  o.max_context = 512;
-  auto gpu = load_engine(c.dir, o);
+  auto gpu = cuda_engine(c, "fp32");
   const int64_t V = gpu->config().vocab_size;
   c.V = V;
 
@@ -102,11 +107,7 @@ TEST(CudaSession, FeedGreedyMatchesHostArgmax) {
   DSX_REQUIRE_GOLDEN(gdir);
   Case c = golden_case(gdir);
   for (const char* prec : {"fp32", "bf16"}) {
-    EngineOptions o;
-    o.backend = "cuda";
-    o.precision = prec;
-    o.max_context = 512;
-    auto gpu = load_engine(c.dir, o);
+    auto gpu = cuda_engine(c, prec);
     const int64_t V = gpu->config().vocab_size;
     auto a = gpu->new_session(), b = gpu->new_session();
     std::vector<float> l(static_cast<size_t>(V));
@@ -130,11 +131,7 @@ TEST(CudaSession, GreedyRunAheadMatchesFeed) {
   DSX_REQUIRE_GOLDEN(gdir);
   Case c = golden_case(gdir);
   for (const char* prec : {"fp32", "bf16"}) {
-    EngineOptions o;
-    o.backend = "cuda";
-    o.precision = prec;
-    o.max_context = 512;
-    auto gpu = load_engine(c.dir, o);
+    auto gpu = cuda_engine(c, prec);
     const int64_t V = gpu->config().vocab_size;
     auto a = gpu->new_session(), b = gpu->new_session();
     std::vector<float> l(static_cast<size_t>(V));
