@@ -71,14 +71,14 @@ bool branches_enabled() {
   return v;
 }
 
-// DSX_ENGRAM_OVERLAP=0: decode gathers the host Engram rows before the step's graph
-// (default: while the layers before the first Engram layer run)
 // DSX_RUN_AHEAD=0: greedy decode waits for the host between steps (no run-ahead)
 bool run_ahead_enabled() {
   static const bool v = env_int("DSX_RUN_AHEAD", 1) != 0;
   return v;
 }
 
+// DSX_ENGRAM_OVERLAP=0: decode gathers the host Engram rows before the step's graph
+// (default: while the layers before the first Engram layer run)
 bool engram_overlap_enabled() {
   static const bool v = env_int("DSX_ENGRAM_OVERLAP", 1) != 0;
   return v;
@@ -1407,7 +1407,8 @@ bool CudaSession::graph_serves(int64_t p) const {
 
 // After a decode step's pick (enqueued, not yet read): the next step's first graph on
 // the pick, when the captured graphs serve that step. The ring slots it is about to
-// write are stashed first (a tiny copy on the session stream, before it).
+// write are in the stash already (continue_ahead copied them on the copy stream) or are
+// stashed now (a tiny copy on the session stream, before it).
 void CudaSession::run_ahead() {
   if (!run_ahead_enabled() || !graph_a_ || prof_.on() || pos_ + 1 > max_ctx_ || !graph_serves(pos_)) return;
   if (stashed_pos_ != pos_) cache_.stash_slots(split_layer_, pos_, ahead_stash_, stream_);
