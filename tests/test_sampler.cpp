@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "runtime/sampler.h"
+#include "util/error.h"
 
 namespace {
 
@@ -138,6 +139,25 @@ TEST(Sampler, TemperatureSamplingMatchesFullSort) {
     }
   }
   EXPECT_GT(cases, 900);
+}
+
+// Temperatures at the edges: below 1e-30 greedy, huge ones near uniform but valid ids, a
+// NaN or infinite one a clear error.
+TEST(Sampler, TemperatureEdges) {
+  std::vector<float> l = {0.5f, 2.0f, -1.0f, 1.5f};
+  dsx::SamplerOptions o;
+  o.temperature = 1e-35f;
+  EXPECT_EQ(dsx::Sampler(o).sample(l.data(), 4), 1);
+  o.temperature = 1e30f;
+  dsx::Sampler big(o);
+  for (int i = 0; i < 100; ++i) {
+    const int32_t id = big.sample(l.data(), 4);
+    EXPECT_TRUE(id >= 0 && id < 4) << id;
+  }
+  o.temperature = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_THROW(dsx::Sampler(o).sample(l.data(), 4), dsx::Error);
+  o.temperature = std::numeric_limits<float>::infinity();
+  EXPECT_THROW(dsx::Sampler(o).sample(l.data(), 4), dsx::Error);
 }
 
 // The weights against std::exp2, and the drawn frequencies against the softmax computed

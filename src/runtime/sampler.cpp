@@ -183,7 +183,9 @@ double weight_sum(const float* w, const int32_t* ids, int64_t n) {
 }
 
 int32_t Sampler::sample(const float* l, int64_t n) {
-  if (o_.temperature <= 0.0f) return argmax(l, n);
+  if (std::isnan(o_.temperature) || std::isinf(o_.temperature)) fail("temperature must be finite");
+  // (below 1e-30, log2(e) / T overflows: as greedy)
+  if (o_.temperature < 1e-30f) return argmax(l, n);
   if (!(o_.top_p > 0.0f && o_.top_p <= 1.0f)) fail("top_p must be in (0, 1]");
   if (n <= 0) return 0;
   weights_.resize(static_cast<size_t>(n));
