@@ -1285,7 +1285,6 @@ void CudaSession::step(const int32_t* ids, int T, bool all_rows) {
   if (pos_ + T > max_ctx_)
     fail("context of ", pos_ + T, " tokens exceeds this session's capacity of ", max_ctx_, " (EngineOptions::max_context)");
   drop_ahead();
-  stashed_pos_ = -1;
   picked_ = false;
   // the pinned input buffers may still be read by the previous step's copies
   DSX_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -1446,14 +1445,18 @@ void CudaSession::continue_ahead(int32_t id) {
   tokens_.push_back(id);
 }
 
-// A step run ahead that will not go on: its ring slots back as they were (ordered after
-// it on the session stream). The device position never moved (graph_a_ does not
-// advance it); anything else it wrote is scratch or lies past the cache's row counts.
+// Before anything but a step continued from the run-ahead: a step run ahead will not go
+// on, so its ring slots go back as they were (ordered after it on the session stream; the
+// device position never moved, graph_a_ does not advance it, and anything else it wrote
+// is scratch or lies past the cache's row counts); and the stash is forgotten (what runs
+// next may write the slots it holds).
 void CudaSession::drop_ahead() {
-  if (!ahead_.on) return;
-  ahead_.on = false;
-  cache_.unstash_slots(split_layer_, ahead_.pos, ahead_stash_, stream_);
-  DSX_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (ahead_.on) {
+    ahead_.on = false;
+    cache_.unstash_slots(split_layer_, ahead_.pos, ahead_stash_, stream_);
+    DSX_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+  stashed_pos_ = -1;
 }
 
 std::vector<uint8_t> CudaSession::save() const {
@@ -1471,7 +1474,6 @@ void CudaSession::restore(const std::vector<uint8_t>& snap) {
   st.restore(snap.data(), snap.size());
   if (st.pos > max_ctx_) fail("snapshot of ", st.pos, " tokens exceeds this session's capacity of ", max_ctx_);
   drop_ahead();
-  stashed_pos_ = -1;
   DSX_CUDA_CHECK(cudaStreamSynchronize(stream_));
   cache_.upload(st, stream_);
   pos_ = st.pos;
@@ -1481,7 +1483,6 @@ void CudaSession::restore(const std::vector<uint8_t>& snap) {
 bool CudaSession::synthetic_fill(int64_t n, uint64_t seed) {
   if (pos_ + n > max_ctx_) fail("synthetic_fill: ", pos_ + n, " tokens exceed the capacity of ", max_ctx_);
   drop_ahead();
-  stashed_pos_ = -1;
   const auto& g = cache_.geometry();
   const int64_t hd = g.head_dim, id = g.idx_dim, end = pos_ + n;
   uint64_t k = seed;
@@ -1511,7 +1512,6 @@ void CudaSession::rollback(int64_t p) {
   if (p > pos_ || p < 0 || pos_ - p > depth)
     fail("cannot roll back from position ", pos_, " to ", p, " (at most ", depth, " tokens)");
   drop_ahead();
-  stashed_pos_ = -1;
   DSX_CUDA_CHECK(cudaStreamSynchronize(stream_));
   cache_.set_position(p, stream_);
   pos_ = p;

@@ -121,9 +121,6 @@ class Bands {
   bool complete_ = false;
 };
 
-}  // namespace
-
-namespace {
 // One weight of sample_weights for mx and k = log2(e) / T: 2^t = 2^r * 2^f, r = round(t),
 // |f| <= 1/2, 2^f = e^x (x = f ln 2) by its Taylor polynomial of degree 6 (relative error
 // < 2e-7). Branch-free, selects as bit masks: loops of it vectorise.
@@ -200,19 +197,18 @@ int32_t Sampler::sample(const float* l, int64_t n) {
     nc = b.first_k(o_.top_k);
     ids_.resize(static_cast<size_t>(nc));
     kw_.resize(static_cast<size_t>(nc));
-    std::vector<Cand> byid(s.begin(), s.begin() + nc);
-    std::sort(byid.begin(), byid.end(), [](const Cand& a, const Cand& c) { return a.id < c.id; });
-    for (int64_t i = 0; i < nc; ++i) ids_[static_cast<size_t>(i)] = byid[i].id, kw_[static_cast<size_t>(i)] = byid[i].p;
+    for (int64_t i = 0; i < nc; ++i) ids_[static_cast<size_t>(i)] = s[static_cast<size_t>(i)].id;
+    std::sort(ids_.begin(), ids_.end());  // (C in id order)
+    for (int64_t i = 0; i < nc; ++i) kw_[static_cast<size_t>(i)] = weights_[static_cast<size_t>(ids_[static_cast<size_t>(i)])];
     sum = weight_sum(kw_.data(), ids_.data(), nc);
   } else {
     sum = weight_sum(weights_.data(), nullptr, n);
   }
-  auto upto = [&](double m) { return nc >= 0 ? nc : b.until_mass(m); };  // sorted prefix within C
-  // 5. the top_p prefix
+  // 5. the top_p prefix (within the sorted prefix that holds its mass)
   int64_t keep = -1;  // -1: all of C
   double tot = sum;
   if (o_.top_p < 1.0f) {
-    const int64_t m = upto(static_cast<double>(o_.top_p) * sum);
+    const int64_t m = nc >= 0 ? nc : b.until_mass(static_cast<double>(o_.top_p) * sum);
     double c = 0;
     for (int64_t i = 0; i < m; ++i) {
       c += s[static_cast<size_t>(i)].p / sum;

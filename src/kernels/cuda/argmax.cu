@@ -135,10 +135,15 @@ __global__ void __launch_bounds__(kMultiThreads) argmax_multi_kernel(const float
   if (copy) *copy = p;
 }
 
+// The many-block path's workspace of output `out` (null during a capture before it exists)
+MultiWs* multi_ws_of(const int32_t* out, cudaStream_t stream) {
+  return static_cast<MultiWs*>(persistent_scratch(out, 1, sizeof(MultiWs), stream));
+}
+
 }  // namespace
 
 void argmax_reserve(const int32_t* out, cudaStream_t stream) {
-  DSX_CHECK(persistent_scratch(out, 1, sizeof(MultiWs), stream) != nullptr, "argmax_reserve: called during a capture");
+  DSX_CHECK(multi_ws_of(out, stream) != nullptr, "argmax_reserve: called during a capture");
 }
 
 void argmax_rows(const float* x, int64_t ld, int rows, int64_t n, int32_t* out, cudaStream_t stream, int32_t* copy) {
@@ -149,7 +154,7 @@ void argmax_rows(const float* x, int64_t ld, int rows, int64_t n, int32_t* out, 
   if (rows == 1 && n >= 8192 && (reinterpret_cast<uintptr_t>(x) & 15) == 0) {
     const int64_t chunk = std::max<int64_t>(4096, ((n + kMaxMultiBlocks - 1) / kMaxMultiBlocks + 3) / 4 * 4);
     const int64_t blocks = (n + chunk - 1) / chunk;
-    if (auto* ws = static_cast<MultiWs*>(persistent_scratch(out, 1, sizeof(MultiWs), stream))) {
+    if (MultiWs* ws = multi_ws_of(out, stream)) {
       argmax_multi_kernel<<<static_cast<unsigned>(blocks), kMultiThreads, 0, stream>>>(x, n, chunk, ws, out, copy);
       DSX_CUDA_CHECK(cudaGetLastError());
       return;

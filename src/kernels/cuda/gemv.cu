@@ -68,7 +68,6 @@ __device__ __forceinline__ unsigned long long pick_key_of(float v, int64_t n) {
 // *pick_key; the last block to count in writes the id and resets the workspace.
 __device__ __forceinline__ void pick_finish(unsigned long long best, const Params& p) {
   __shared__ unsigned long long wbest[kWarps];
-  __shared__ bool last;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     const unsigned long long b = __shfl_xor_sync(0xffffffffu, best, o);
@@ -80,8 +79,7 @@ __device__ __forceinline__ void pick_finish(unsigned long long best, const Param
     for (int w = 1; w < kWarps; ++w) best = wbest[w] > best ? wbest[w] : best;
     if (best) atomicMax(p.pick_key, best);
     __threadfence();
-    last = atomicAdd(p.pick_ticket, 1u) == gridDim.x * gridDim.y * gridDim.z - 1;
-    if (last) {
+    if (atomicAdd(p.pick_ticket, 1u) == gridDim.x * gridDim.y * gridDim.z - 1) {
       __threadfence();
       const unsigned long long k = atomicAdd(p.pick_key, 0ull);
       const float y0 = __ldcg(static_cast<const float*>(p.y));
@@ -121,6 +119,18 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const Params p) {
   const int64_t GN = static_cast<int64_t>(p.G) * p.N;
   const int64_t grow0 = static_cast<int64_t>(g) * p.N;  // first weight row of the group
   unsigned long long best = 0ull;  // GemvOpts::pick: the best key this thread stored
+  // output n (within the group) of token tt: a K split's partial sum, or y (and its key)
+  auto emit = [&](int64_t tt, int64_t n, float v) {
+    if (p.KB > 1) {
+      p.part[(static_cast<int64_t>(kb) * p.T + tt) * GN + grow0 + n] = v;
+      return;
+    }
+    dev::store_act(p.y, p.yt, tt * p.ldy + grow0 + n, v);
+    if (p.pick_key) {
+      const unsigned long long k = pick_key_of(v, grow0 + n);
+      best = k > best ? k : best;
+    }
+  };
 
   for (int t0 = 0; t0 < p.T; t0 += TT) {
     const int nt = min(TT, p.T - t0);
@@ -153,18 +163,7 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const Params p) {
             for (int j = 0; j < p.KS; ++j) s += red[warp + j][i];
             const int r = i / TT, t = i % TT;
             const int64_t n = n0 + r;
-            if (n < p.N && t < nt) {
-              const int64_t tt = t0 + t;
-              if (p.KB > 1) {
-                p.part[(static_cast<int64_t>(kb) * p.T + tt) * GN + grow0 + n] = s;
-              } else {
-                dev::store_act(p.y, p.yt, tt * p.ldy + grow0 + n, s);
-                if (p.pick_key) {
-                  const unsigned long long k = pick_key_of(s, grow0 + n);
-                  best = k > best ? k : best;
-                }
-              }
-            }
+            if (n < p.N && t < nt) emit(t0 + t, n, s);
           }
         }
         __syncthreads();
@@ -175,18 +174,7 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const Params p) {
           for (int t = 0; t < TT; ++t) {
             if (lane == ((r * TT + t) & 31)) {
               const int64_t n = n0 + r;
-              if (n < p.N && t < nt) {
-                const int64_t tt = t0 + t;
-                if (p.KB > 1) {
-                  p.part[(static_cast<int64_t>(kb) * p.T + tt) * GN + grow0 + n] = acc[r][t];
-                } else {
-                  dev::store_act(p.y, p.yt, tt * p.ldy + grow0 + n, acc[r][t]);
-                  if (p.pick_key) {
-                    const unsigned long long k = pick_key_of(acc[r][t], grow0 + n);
-                    best = k > best ? k : best;
-                  }
-                }
-              }
+              if (n < p.N && t < nt) emit(t0 + t, n, acc[r][t]);
             }
           }
       }
@@ -824,10 +812,14 @@ struct PickWs {
   unsigned long long key;
   unsigned ticket;
 };
+// GemvOpts::pick's workspace for `pick` (null during a capture before it exists)
+PickWs* pick_ws_of(const int32_t* pick, cudaStream_t stream) {
+  return static_cast<PickWs*>(persistent_scratch(pick, 2, sizeof(PickWs), stream));
+}
 }  // namespace
 
 void gemv_pick_reserve(const int32_t* pick, cudaStream_t stream) {
-  DSX_CHECK(persistent_scratch(pick, 2, sizeof(PickWs), stream) != nullptr, "gemv_pick_reserve: called during a capture");
+  DSX_CHECK(pick_ws_of(pick, stream) != nullptr, "gemv_pick_reserve: called during a capture");
 }
 
 void gemv(const QMatrix& W, DType xt, const void* x, int64_t ldx, int T, DType yt, void* y, int64_t ldy,
@@ -839,7 +831,7 @@ void gemv(const QMatrix& W, DType xt, const void* x, int64_t ldx, int T, DType y
               ": a pick needs one token, one group and f32 output");
   // GemvOpts::pick: folded into the CUDA-core kernel (one pass over K, its workspace
   // available), else argmax_rows after the product
-  auto* pick_ws = o.pick ? static_cast<PickWs*>(persistent_scratch(o.pick, 2, sizeof(PickWs), stream)) : nullptr;
+  PickWs* pick_ws = o.pick ? pick_ws_of(o.pick, stream) : nullptr;
   auto pick_after = [&]() {
     if (o.pick) argmax_rows(static_cast<const float*>(y), ldy, 1, W.rows, o.pick, stream, o.pick_copy);
   };

@@ -381,25 +381,26 @@ __global__ void proj_store_kernel(const float* __restrict__ kv, const float* __r
 __global__ void advance_kernel(int64_t* d_pos, int64_t delta) { *d_pos += delta; }
 
 // Block b copies span b (a few hundred bytes to a few KB: byte-wise is enough).
+struct ByteCopy {
+  const uint8_t* src;
+  uint8_t* dst;
+  int64_t n;
+};
 constexpr int kMaxSpans = 16;
 struct ByteSpans {
-  const uint8_t* src[kMaxSpans];
-  uint8_t* dst[kMaxSpans];
-  int64_t n[kMaxSpans];
+  ByteCopy c[kMaxSpans];
 };
 __global__ void copy_spans_kernel(ByteSpans s) {
-  const uint8_t* src = s.src[blockIdx.x];
-  uint8_t* dst = s.dst[blockIdx.x];
-  for (int64_t k = threadIdx.x; k < s.n[blockIdx.x]; k += blockDim.x) dst[k] = src[k];
+  const ByteCopy c = s.c[blockIdx.x];
+  for (int64_t k = threadIdx.x; k < c.n; k += blockDim.x) c.dst[k] = c.src[k];
 }
 
-// dst[i] <- src[i] for the listed spans, kMaxSpans per launch.
-void copy_spans(const std::vector<std::pair<const uint8_t*, uint8_t*>>& ptrs, const std::vector<int64_t>& n,
-                cudaStream_t stream) {
-  for (size_t i0 = 0; i0 < ptrs.size(); i0 += kMaxSpans) {
+// The listed copies, kMaxSpans per launch.
+void copy_spans(const std::vector<ByteCopy>& copies, cudaStream_t stream) {
+  for (size_t i0 = 0; i0 < copies.size(); i0 += kMaxSpans) {
     ByteSpans s{};
-    const size_t m = std::min<size_t>(kMaxSpans, ptrs.size() - i0);
-    for (size_t i = 0; i < m; ++i) s.src[i] = ptrs[i0 + i].first, s.dst[i] = ptrs[i0 + i].second, s.n[i] = n[i0 + i];
+    const size_t m = std::min<size_t>(kMaxSpans, copies.size() - i0);
+    for (size_t i = 0; i < m; ++i) s.c[i] = copies[i0 + i];
     copy_spans_kernel<<<static_cast<unsigned>(m), 256, 0, stream>>>(s);
     check_launch("copy_spans");
   }
@@ -432,17 +433,15 @@ int64_t DeviceKVCache::slot_stash_bytes(int l1) const {
 }
 
 void DeviceKVCache::stash_slots(int l1, int64_t p, uint8_t* stash, cudaStream_t stream) const {
-  std::vector<std::pair<const uint8_t*, uint8_t*>> ptrs;
-  std::vector<int64_t> n;
-  for (const auto& [ring, bytes] : step_slots(l1, p)) ptrs.emplace_back(ring, stash), n.push_back(bytes), stash += bytes;
-  copy_spans(ptrs, n, stream);
+  std::vector<ByteCopy> c;
+  for (const auto& [ring, bytes] : step_slots(l1, p)) c.push_back({ring, stash, bytes}), stash += bytes;
+  copy_spans(c, stream);
 }
 
 void DeviceKVCache::unstash_slots(int l1, int64_t p, const uint8_t* stash, cudaStream_t stream) {
-  std::vector<std::pair<const uint8_t*, uint8_t*>> ptrs;
-  std::vector<int64_t> n;
-  for (const auto& [ring, bytes] : step_slots(l1, p)) ptrs.emplace_back(stash, ring), n.push_back(bytes), stash += bytes;
-  copy_spans(ptrs, n, stream);
+  std::vector<ByteCopy> c;
+  for (const auto& [ring, bytes] : step_slots(l1, p)) c.push_back({stash, ring, bytes}), stash += bytes;
+  copy_spans(c, stream);
 }
 
 void advance_position(int64_t* d_pos, int64_t delta, cudaStream_t stream) {
