@@ -1,7 +1,7 @@
 // Micro-benchmark of the weight-streaming CUDA kernels (src/kernels/cuda).
 //
 //   bench_cuda_kernels [--csv FILE] [--reps N] [--quick] [--decode-only] [--chain-only]
-//                      [--no-graph] [--only SUBSTR] [--tokens T]
+//                      [--no-graph] [--only SUBSTR] [--tokens T] [--l2-warm]
 //
 // Every measurement: warm-up, then N (default 30) timed repetitions, each bracketed by
 // CUDA events; the median is reported ("eager": one launch from the host per
@@ -9,7 +9,8 @@
 // engine runs them: kGraphN launches (rotating weight copies) captured in one CUDA graph,
 // replayed; "graph" = median replay time / kGraphN (the GPU time per launch including
 // the inter-kernel gap, without host overhead). Weights are rotated among several device copies
-// whose total is well above the 60 MB L2, so that each repetition streams from HBM.
+// whose total is well above the 60 MB L2, so that each repetition streams from HBM
+// (--l2-warm: one copy, which stays in L2 when it fits: what the kernels do fed from L2).
 // Weight contents are random bytes (the kernels' cost does not depend on the values).
 //   GB/s    = weight bytes read (data + scales) / time (GEMV, MoE, router)
 //   %copy   = GB/s / device-to-device copy bandwidth (bytes read + written / time)
@@ -52,6 +53,7 @@ double g_last_graph_us = 0;  // graph time of the last time_us call (0: not meas
 bool g_graph = true;
 std::string g_only;        // --only: run only rows whose "name shape" contains this
 int g_only_T = 0;          // --tokens: run only this T (0: all)
+bool g_l2_warm = false;    // --l2-warm: one copy of each weight (it stays in L2 when it fits)
 bool selected(const std::string& name, const std::string& shape, int T) {
   if (g_only_T > 0 && T != g_only_T) return false;
   return g_only.empty() || (name + " " + shape).find(g_only) != std::string::npos;
@@ -172,7 +174,7 @@ struct Copies {
     shape.name = "bench";
     const int64_t db = shape.data_bytes(), sb = shape.scale_bytes();
     bytes = db + sb;
-    const int n = static_cast<int>(std::max<int64_t>(2, (static_cast<int64_t>(min_total) + bytes - 1) / bytes));
+    const int n = g_l2_warm ? 1 : static_cast<int>(std::max<int64_t>(2, (static_cast<int64_t>(min_total) + bytes - 1) / bytes));
     for (int i = 0; i < n; ++i) {
       data.emplace_back(static_cast<size_t>(db));
       fill_random(data.back().get(), static_cast<size_t>(db), static_cast<uint64_t>(i));
@@ -478,8 +480,10 @@ int main(int argc, char** argv) {
       g_only = argv[++i];
     else if (a == "--tokens" && i + 1 < argc)
       g_only_T = std::atoi(argv[++i]);
+    else if (a == "--l2-warm")
+      g_l2_warm = true;
     else {
-      std::fprintf(stderr, "usage: %s [--csv FILE] [--reps N] [--quick] [--decode-only] [--chain-only] [--no-graph] [--only SUBSTR] [--tokens T]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--csv FILE] [--reps N] [--quick] [--decode-only] [--chain-only] [--no-graph] [--only SUBSTR] [--tokens T] [--l2-warm]\n", argv[0]);
       return 2;
     }
   }

@@ -207,6 +207,14 @@ TEST(CudaAttention, DecodeAndPrefillMatchTwin) {
                             cuda::act_name(act), sh.H, sh.hd, static_cast<long long>(run.p0), run.T, with_cmp ? 1 : 0,
                             splits, inv ? 1 : 0, tc ? 1 : 0);
               compare(got, want, bf, what);
+              if (tc && splits > 1 && with_cmp) {
+                // the same step with the selection read (and the first rows' copies issued)
+                // before the grid-dependency wait (AttnArgs::sel_early): bit-identical
+                a.sel_early = true;
+                cuda::sparse_attention(act, a, nullptr);
+                EXPECT_EQ(count_bit_diff_i(download_act(dout, got.size(), act), got), 0u) << what << ": sel_early";
+                a.sel_early = false;
+              }
               if (tc && inv) {
                 // pre-RoPE queries rotated inside the kernel (AttnArgs::q_inv_freq): the
                 // twin gets the queries rotated on the host (rope_rows, as rope() does)

@@ -5,7 +5,8 @@ Each record is one kernel launch that called dev::pdl_wait: thread 0 of block 0 
 it reached the wait ("wait at") and when the wait returned ("done", i.e. when the previous
 kernel of its stream had completed), in microseconds from the first record shown. "step" is
 the time since the previous record's "done": along one stream it is the previous kernel's
-time on the critical path. Usage: trace_timeline.py FILE [--last N]
+time on the critical path. Marks (dev::trace_mark) print their tag, their time and the time
+since the last "done". Usage: trace_timeline.py FILE [--last N]
 """
 import struct
 import sys
@@ -36,6 +37,10 @@ def main():
     prev = t0
     print("  grid (x x y)  block    wait at      done     step   (us)")
     for t_wait, t_done, grid, block in recs:
+        if block & 0x80000000:  # dev::trace_mark
+            print(f"{grid & 0xffff:6d} x {grid >> 16:<4d}  mark {block & 0xffff:<4d}{(t_done - t0) / 1e3:19.2f}"
+                  f" {(t_done - prev) / 1e3:8.2f}")
+            continue
         print(f"{grid & 0xffff:6d} x {grid >> 16:<4d} {block:5d} {(t_wait - t0) / 1e3:10.2f} {(t_done - t0) / 1e3:9.2f}"
               f" {(t_done - prev) / 1e3:8.2f}")
         prev = t_done

@@ -71,6 +71,15 @@ bool branches_enabled() {
   return v;
 }
 
+// DSX_SIDE_PRIO=0: the decode graph's side streams (window KV, compressor and indexer
+// weights, Sinkhorn) at the default priority instead of the highest (the graphs are
+// instantiated with per-node priorities, so that the side kernels' blocks are scheduled
+// before pending blocks of the main stream's kernels)
+bool side_prio_enabled() {
+  static const bool v = env_int("DSX_SIDE_PRIO", 1) != 0;
+  return v;
+}
+
 // DSX_RUN_AHEAD=0: greedy decode waits for the host between steps (no run-ahead)
 bool run_ahead_enabled() {
   static const bool v = env_int("DSX_RUN_AHEAD", 1) != 0;
@@ -681,11 +690,14 @@ CudaSession::CudaSession(const DeviceModel& m, const EngineOptions& o)
     : m_(m), c_(m.cfg), act_(m.act), ab_(act_bytes(m.act)) {
   if (std::getenv("DSX_TRACE") && !trace_enable())
     std::fprintf(stderr, "# DSX_TRACE: this build records no kernel timeline (configure with -DDSX_KERNEL_TRACE=ON)\n");
+  int prio_lo = 0, prio_hi = 0;
+  DSX_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&prio_lo, &prio_hi));
+  const int side_prio = side_prio_enabled() ? prio_hi : prio_lo;
   DSX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-  for (auto& sd : side_) DSX_CUDA_CHECK(cudaStreamCreateWithFlags(&sd, cudaStreamNonBlocking));
+  for (auto& sd : side_) DSX_CUDA_CHECK(cudaStreamCreateWithPriority(&sd, cudaStreamNonBlocking, side_prio));
   DSX_CUDA_CHECK(cudaEventCreateWithFlags(&ev_fork_, cudaEventDisableTiming));
   for (auto& e : ev_join_) DSX_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-  DSX_CUDA_CHECK(cudaStreamCreateWithFlags(&side_hc_, cudaStreamNonBlocking));
+  DSX_CUDA_CHECK(cudaStreamCreateWithPriority(&side_hc_, cudaStreamNonBlocking, side_prio));
   DSX_CUDA_CHECK(cudaEventCreateWithFlags(&ev_hc_fork_, cudaEventDisableTiming));
   DSX_CUDA_CHECK(cudaEventCreateWithFlags(&ev_hc_join_, cudaEventDisableTiming));
   DSX_CUDA_CHECK(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
@@ -1186,6 +1198,8 @@ void CudaSession::attention(int l, int T) {
   if (have_sel) {
     aa.cmp = cmp;
     aa.sel = sel_, aa.sel_ld = c_.index_topk, aa.sel_count = sel_count_, aa.max_sel = c_.index_topk;
+    // (a layer reusing an earlier layer's top-k: its selection is ready before wq_b ends)
+    aa.sel_early = !c_.is_index_source(l);
   }
   aa.sink = L.attn_sink;
   aa.scale = static_cast<float>(std::pow(static_cast<double>(hd), -0.5));
@@ -1203,8 +1217,8 @@ void CudaSession::attention(int l, int T) {
   prof_.mark("attention", stream_);
   // §3.4.8 grouped output projection, then wo_b
   // (wo_a's epilogue stages QA8 of its output for wo_b when its plan allows)
-  const bool o_staged = lin(L.wo_a, o_, H * hd, T, act_, zeta_, G * ol, false, static_cast<int>(G), nullptr, nullptr,
-                            staged_x(xst_o_, T));
+  const bool o_staged = lin(L.wo_a, o_, H * hd, T, act_, zeta_, G * ol, false, static_cast<int>(G), nullptr,
+                            nullptr, staged_x(xst_o_, T));
   prof_.mark("wo_a", stream_);
   lin(L.wo_b, zeta_, G * ol, T, act_, y_, D, true, 1, nullptr, o_staged ? xst_o_ : nullptr);
   prof_.mark("wo_b", stream_);
@@ -1272,7 +1286,8 @@ cudaGraphExec_t CudaSession::capture(int T, int l0, int l1) {
   }
   DSX_CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
   cudaGraphExec_t e = nullptr;
-  const cudaError_t err = cudaGraphInstantiate(&e, g, 0);
+  const cudaError_t err =
+      cudaGraphInstantiate(&e, g, side_prio_enabled() ? cudaGraphInstantiateFlagUseNodePriority : 0);
   cudaGraphDestroy(g);
   DSX_CUDA_CHECK(err);
   return e;

@@ -25,6 +25,7 @@ struct AttnParams {
   const int32_t* sel;
   int64_t sel_ld;
   const int32_t* sel_count;
+  bool sel_early;  // AttnArgs::sel_early
   const float* sink;
   float scale;
   const float* inv_freq;
@@ -409,16 +410,26 @@ __global__ void __launch_bounds__(128) attn_mma_kernel(AttnParams p) {
 
   const int t = blockIdx.z, hg = blockIdx.y, split = blockIdx.x, S = gridDim.x;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gid = lane >> 2, tig = lane & 3;
-  // programmatic dependent launch: q, the rows and the selection come from earlier kernels
-  dev::pdl_wait();
-  dev::pdl_launch_dependents();
+  // Programmatic dependent launch: q comes from the previous kernel; the position (advanced
+  // by the previous step), the RoPE table and the window rows from kernels that completed
+  // before this one launched, and the selection too when p.sel_early (else from the previous
+  // kernel, the top-k). What does not depend on the previous kernel is done before the wait.
   const int64_t p0 = *p.d_pos, pos = p0 + t;
   const int64_t lo_w = pos - p.W + 1 > 0 ? pos - p.W + 1 : 0;
   const int nw = static_cast<int>(pos - lo_w + 1);
-  const int ns = p.sel ? p.sel_count[t] : 0;
-  const int N = nw + ns;
-  const int R = (N + S - 1) / S;
-  const int rb = split * R, re = min(N, rb + R);
+  if (p.q_inv_freq) {
+    // (cos, sin) of each RoPE pair of the queries (one f64 sincos per thread) into s_s,
+    // which the chunk loop only uses after its first barrier
+    for (int k = tid; k < p.n_pairs; k += 128) rope_cs(static_cast<float>(pos), p.q_inv_freq[k], s_s[k], s_s[p.n_pairs + k]);
+  }
+  int ns = 0, rb = 0, re = 0;
+  auto rows_of_split = [&]() {
+    ns = p.sel ? p.sel_count[t] : 0;
+    const int N = nw + ns;
+    const int R = (N + S - 1) / S;
+    rb = split * R;
+    re = min(N, rb + R);
+  };
 
   // the ids of a chunk's selected rows (one load per row), then its rows in flight
   auto issue_chunk = [&](int c0) {
@@ -427,6 +438,14 @@ __global__ void __launch_bounds__(128) attn_mma_kernel(AttnParams p) {
     __syncthreads();
     copy_rows_async<HD, 128>(p, c0, nr, nw, lo_w, p0, ids_s, raw_s);
   };
+  if (p.sel_early) {  // (uniform over the block: issue_chunk has a barrier)
+    rows_of_split();
+    if constexpr (kAsyncRows<HD>)
+      if (rb < re) issue_chunk(rb);
+  }
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
+  if (!p.sel_early) rows_of_split();
   const bf16* qg = static_cast<const bf16*>(p.q) + (static_cast<int64_t>(t) * p.H + hg * 16) * HD;
   {  // all of a thread's loads in flight at once (HD / 64 per thread), then the stores
     constexpr int QI = 16 * (HD / 8) / 128;
@@ -438,7 +457,7 @@ __global__ void __launch_bounds__(128) attn_mma_kernel(AttnParams p) {
     }
     // (the first chunk's rows load while the queries are stored and rotated)
     if constexpr (kAsyncRows<HD>)
-      if (rb < re) issue_chunk(rb);
+      if (!p.sel_early && rb < re) issue_chunk(rb);
 #pragma unroll
     for (int u = 0; u < QI; ++u) {
       const int i = tid + u * 128, h = i / (HD / 8), c = i - h * (HD / 8);
@@ -447,11 +466,9 @@ __global__ void __launch_bounds__(128) attn_mma_kernel(AttnParams p) {
   }
   if (p.q_inv_freq) {
     // RoPE of the queries at this row's position, rounded to bf16: what rope() would
-    // have written to q before the call (same rope_cs / rope_pair), one launch fewer
-    // (cos, sin) of each pair computed once (one f64 sincos per thread, in s_s, which
-    // the chunk loop only uses after its first barrier), then applied to the 16 heads
+    // have written to q before the call (same rope_cs / rope_pair), one launch fewer;
+    // (cos, sin) of the pairs were computed before the wait
     const int np = p.n_pairs, off = HD - 2 * np;
-    for (int k = tid; k < np; k += 128) rope_cs(static_cast<float>(pos), p.q_inv_freq[k], s_s[k], s_s[np + k]);
     __syncthreads();
     for (int i = tid; i < 16 * np; i += 128) {
       const int h = i / np, k = i - h * np;
@@ -463,6 +480,9 @@ __global__ void __launch_bounds__(128) attn_mma_kernel(AttnParams p) {
       qp[1] = f32_to_bf16(rb);
     }
   }
+  const bool mk_last = split == S - 1 && hg == 0 && t == 0;  // (trace marks: block 0 and the last split)
+  dev::trace_mark(11);
+  dev::trace_mark(21, mk_last);
   if (tid < 16) {
     m_s[tid] = -INFINITY;
     l_s[tid] = 0.0f;
@@ -479,30 +499,43 @@ __global__ void __launch_bounds__(128) attn_mma_kernel(AttnParams p) {
       dev::cp_async_commit();
       dev::cp_async_wait<0>();
       __syncthreads();
+      dev::trace_mark(12);
+      dev::trace_mark(22, mk_last);
       convert_rows<HD, 128>(raw_s, c0, nr, nw, kv_s, QS);
     } else {
       decode_rows<HD, 128>(p, t, c0, nr, nw, lo_w, p0, kv_s, QS, true);
     }
     __syncthreads();
-    // S tile of this warp: 16 heads x key rows 8w .. 8w+7
-    float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll 4
-    for (int k0 = 0; k0 < HD; k0 += 32) {
-      uint32_t a[4], a2[4], b[4];
-      ldsm_x4(a, q_s + (lane & 15) * QS + k0 + (lane >> 4) * 8);
-      ldsm_x4(a2, q_s + (lane & 15) * QS + k0 + 16 + (lane >> 4) * 8);
-      ldsm_x4(b, kv_s + (8 * warp + (lane & 7)) * QS + k0 + (lane >> 3) * 8);
-      asm volatile(
-          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-          "{%0, %1, %2, %3};\n"
-          : "+f"(sc[0]), "+f"(sc[1]), "+f"(sc[2]), "+f"(sc[3])
-          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-      asm volatile(
-          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-          "{%0, %1, %2, %3};\n"
-          : "+f"(sc[0]), "+f"(sc[1]), "+f"(sc[2]), "+f"(sc[3])
-          : "r"(a2[0]), "r"(a2[1]), "r"(a2[2]), "r"(a2[3]), "r"(b[2]), "r"(b[3]));
+    // S tile of this warp: 16 heads x key rows 8w .. 8w+7, as four independent mma
+    // chains (k steps 4i .. 4i + 3 of each 64 dims), added at the end: a chain of
+    // HD / 64 dependent mma instead of HD / 16
+    float sc4[4][4] = {};
+#pragma unroll 2
+    for (int k0 = 0; k0 < HD; k0 += 64) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int k1 = k0 + 32 * hh;
+        uint32_t a[4], a2[4], b[4];
+        ldsm_x4(a, q_s + (lane & 15) * QS + k1 + (lane >> 4) * 8);
+        ldsm_x4(a2, q_s + (lane & 15) * QS + k1 + 16 + (lane >> 4) * 8);
+        ldsm_x4(b, kv_s + (8 * warp + (lane & 7)) * QS + k1 + (lane >> 3) * 8);
+        float(&c0)[4] = sc4[2 * hh];
+        float(&c1)[4] = sc4[2 * hh + 1];
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};\n"
+            : "+f"(c0[0]), "+f"(c0[1]), "+f"(c0[2]), "+f"(c0[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};\n"
+            : "+f"(c1[0]), "+f"(c1[1]), "+f"(c1[2]), "+f"(c1[3])
+            : "r"(a2[0]), "r"(a2[1]), "r"(a2[2]), "r"(a2[3]), "r"(b[2]), "r"(b[3]));
+      }
     }
+    float sc[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) sc[i] = (sc4[0][i] + sc4[1][i]) + (sc4[2][i] + sc4[3][i]);
     {
       const int r0 = 8 * warp + 2 * tig;
       s_s[gid * kC + r0] = r0 < nr ? sc[0] * p.scale : -INFINITY;
@@ -511,6 +544,8 @@ __global__ void __launch_bounds__(128) attn_mma_kernel(AttnParams p) {
       s_s[(gid + 8) * kC + r0 + 1] = r0 + 1 < nr ? sc[3] * p.scale : -INFINITY;
     }
     __syncthreads();
+    dev::trace_mark(13);
+    dev::trace_mark(23, mk_last);
     // online softmax: head h = tid / 8, rows 4 * (tid % 8) .. + 3
     {
       const int h = tid >> 3, sub = tid & 7;
@@ -578,6 +613,8 @@ __global__ void __launch_bounds__(128) attn_mma_kernel(AttnParams p) {
     }
   }
   __syncthreads();
+  dev::trace_mark(14);
+  dev::trace_mark(24, mk_last);
 
   // ---- output: acc[j][0..1] -> head gid, acc[j][2..3] -> head gid + 8; dims n0 + 2 tig + {0, 1}
 #pragma unroll
@@ -629,12 +666,19 @@ __global__ void __launch_bounds__(HD) attn_combine_kernel(int H, int S, const fl
   __shared__ float den_s;
   const int h = blockIdx.x, t = blockIdx.y, d = threadIdx.x;
   dev::pdl_launch_dependents();  // (wo_a's blocks launch meanwhile; its weights stream before its wait)
+  // before the wait: the sink and the inverse-RoPE table (the position was advanced by the
+  // previous step), which do not depend on the attention kernel
+  const float sink = d == 0 ? sink_arr[h] : 0.0f;
+  if (inv_freq && d >= 32 && d < 32 + n_pairs) {
+    const int k = d - 32;
+    rope_cs(static_cast<float>(*d_pos + t), inv_freq[k], cs[k], cs[HD / 2 + k]);
+  }
   dev::pdl_wait();  // the split results come from the attention kernel
   const float* w0 = work + (static_cast<int64_t>(t) * S * H + h) * (HD + 2);
   const int64_t sstride = static_cast<int64_t>(H) * (HD + 2);
-  // The split maxima and denominators are read once (warp 0), not by every thread, and
-  // the rope table is computed meanwhile by another warp; then each thread reads its S
-  // values with independent loads (one round of L2 latency instead of six).
+  // The split maxima and denominators are read once (warp 0), not by every thread; then
+  // each thread reads its S values with independent loads (one round of L2 latency
+  // instead of six).
   if (d < 32) {
     for (int s = d; s < S; s += 32) {  // m_s, l_s of every split, loaded in parallel
       fs[s] = __ldcg(w0 + s * sstride);
@@ -642,7 +686,6 @@ __global__ void __launch_bounds__(HD) attn_combine_kernel(int H, int S, const fl
     }
     __syncwarp();
     if (d == 0) {  // M and the denominator in split order: e^(sink-M) + sum_s l_s e^(m_s-M)
-      const float sink = sink_arr[h];
       float M = sink;
       for (int s = 0; s < S; ++s) M = fmaxf(M, fs[s]);
       float den = expf(sink - M);
@@ -653,11 +696,9 @@ __global__ void __launch_bounds__(HD) attn_combine_kernel(int H, int S, const fl
       }
       den_s = den;
     }
-  } else if (inv_freq && d >= 32 && d < 32 + n_pairs) {
-    const int k = d - 32;
-    rope_cs(static_cast<float>(*d_pos + t), inv_freq[k], cs[k], cs[HD / 2 + k]);
   }
   __syncthreads();
+  dev::trace_mark(31);
   float o = 0.0f;
 #pragma unroll 8
   for (int s = 0; s < S; ++s) o = fmaf(__ldcg(w0 + s * sstride + 2 + d), fs[s], o);
@@ -798,6 +839,7 @@ void sparse_attention(Act act, const AttnArgs& a, cudaStream_t stream) {
   prm.sel = a.sel;
   prm.sel_ld = a.sel_ld;
   prm.sel_count = a.sel_count;
+  prm.sel_early = a.sel_early || !a.sel;
   prm.sink = a.sink;
   prm.scale = a.scale;
   prm.inv_freq = a.inv_freq;

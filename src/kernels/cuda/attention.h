@@ -42,6 +42,11 @@ struct AttnArgs {
   int64_t sel_ld = 0;
   const int32_t* sel_count = nullptr;  // [T]
   int max_sel = 0;               // bound on sel_count (index_topk), for the split size
+  // The selections were written before the previous kernel of the stream (a layer that
+  // reuses an earlier layer's top-k), and the rows / ring by kernels that have completed
+  // when this one launches (the graph's full edges): the one-token tensor-core kernel then
+  // reads them and issues its first row copies before its grid-dependency wait.
+  bool sel_early = false;
   const float* sink = nullptr;   // [H] f32
   float scale = 0.0f;            // head_dim^-1/2
   int n_pairs = 0;               // inverse RoPE of the output: pairs and table

@@ -96,10 +96,12 @@ __global__ void rope_fq4e8_kernel(const T* __restrict__ in, float* __restrict__ 
   const int64_t vec = blockIdx.x;  // row * heads + head
   const int d = threadIdx.x;
   pdl_launch_dependents();  // (the indexer's blocks launch meanwhile; they wait for all of this)
-  pdl_wait();  // in, d_pos come from the previous kernels (programmatic dependent launch)
-  const float pos = static_cast<float>(*d_pos + vec / heads);
+  // the rotation needs only the position (advanced by the previous step): before the wait
+  float c, s;
+  rope_lane_cs(d, hd, np, static_cast<float>(*d_pos + vec / heads), inv_freq, c, s);
+  pdl_wait();  // `in` comes from the previous kernel (programmatic dependent launch)
   float v = ld(in, vec * hd + d);
-  v = rnd<T>(rope_lane(v, d, hd, np, pos, inv_freq, false));
+  v = rnd<T>(rope_lane_apply(v, d, hd, np, c, s, false));
   out[vec * hd + d] = fq4e8_group(v).value;
 }
 

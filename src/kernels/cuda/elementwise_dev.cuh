@@ -140,6 +140,26 @@ __device__ __forceinline__ void rope_pair(float a, float b, float c, float s, bo
 // One element per lane (lane pairs hold elements 2i, 2i+1 of the vector; all lanes of
 // the warp call it). d = element index, len = vector length; rotates the trailing
 // 2 * n_pairs elements. Returns the rotated value (not rounded).
+// rope_lane in two steps: rope_lane_cs (the lane's cos / sin, which need only the
+// position: e.g. before a grid-dependency wait), then rope_lane_apply.
+__device__ __forceinline__ void rope_lane_cs(int d, int len, int n_pairs, float pos, const float* inv_freq, float& c,
+                                             float& s) {
+  const int off = len - 2 * n_pairs;
+  c = 1.0f, s = 0.0f;
+  if (d >= off && d < len) rope_cs(pos, inv_freq[(d - off) >> 1], c, s);
+}
+__device__ __forceinline__ float rope_lane_apply(float v, int d, int len, int n_pairs, float c, float s, bool inverse) {
+  const float other = __shfl_xor_sync(0xffffffffu, v, 1);
+  const int off = len - 2 * n_pairs;
+  if (d < off || d >= len) return v;
+  float ra, rb;
+  if ((d & 1) == 0) {
+    rope_pair(v, other, c, s, inverse, ra, rb);
+    return ra;
+  }
+  rope_pair(other, v, c, s, inverse, ra, rb);
+  return rb;
+}
 __device__ __forceinline__ float rope_lane(float v, int d, int len, int n_pairs, float pos, const float* inv_freq,
                                            bool inverse) {
   const float other = __shfl_xor_sync(0xffffffffu, v, 1);

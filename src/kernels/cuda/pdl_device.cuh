@@ -36,6 +36,22 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 #endif
 }
+// Kernel timeline marks (DSX_KERNEL_TRACE builds only; no code otherwise): thread 0 of a
+// block for which `here` holds (by default block 0) records the time it passed this point,
+// tagged (block field 0x80000000 | tag; trace_timeline.py prints it as "mark tag").
+__device__ __forceinline__ void trace_mark([[maybe_unused]] unsigned tag, [[maybe_unused]] bool here) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(DSX_KERNEL_TRACE)
+  if (g_trace_buf && here && (threadIdx.x | threadIdx.y) == 0) {
+    const unsigned long long t = global_ns();
+    const unsigned i = atomicAdd(g_trace_n, 1u) & (kTraceCap - 1);
+    g_trace_buf[i] = TraceRec{t, t, gridDim.x | (gridDim.y << 16), 0x80000000u | tag};
+  }
+#endif
+}
+__device__ __forceinline__ void trace_mark(unsigned tag) {
+  trace_mark(tag, (blockIdx.x | blockIdx.y | blockIdx.z) == 0);
+}
+
 // Lets the next kernel of the stream start launching (it still waits in pdl_wait).
 __device__ __forceinline__ void pdl_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -227,6 +227,14 @@ __global__ void __launch_bounds__(kThreads, 1) router_fused_kernel(const FusedPa
     }
   };
   load(0);  // before the wait: the gate does not depend on the previous kernel
+  // (and the bias of the experts this thread ranks if its block is the last)
+  const int g = warp / W, j = tid - g * G;
+  float bias_pre[PMAX];
+#pragma unroll
+  for (int q = 0; q < PMAX; ++q) {
+    const int e = j + q * G;
+    bias_pre[q] = p.bias && e < p.E ? p.bias[e] : 0.0f;
+  }
   dev::pdl_wait();
   dev::pdl_launch_dependents();  // the MoE kernel waits for all of this kernel anyway
 
@@ -299,6 +307,7 @@ __global__ void __launch_bounds__(kThreads, 1) router_fused_kernel(const FusedPa
     }
   }
 
+  dev::trace_mark(41);
   // ---- last block done: every block publishes its logits (barrier, then fence and
   // ticket by thread 0, the pattern of a grid barrier); the block drawing the last ticket
   // resets the counter and, after a fence, reads the logits of all blocks from L2. The
@@ -316,10 +325,10 @@ __global__ void __launch_bounds__(kThreads, 1) router_fused_kernel(const FusedPa
     is_last = last;
   }
   __syncthreads();
+  dev::trace_mark(42, is_last != 0);
   if (!is_last) return;
 
   // ---- selection: group g (warps g W .. g W + W - 1) ranks token g's experts
-  const int g = warp / W, j = tid - g * G;
   if (g >= p.T) return;  // (whole groups: the group barriers below stay consistent)
   const float* zt = p.z + static_cast<int64_t>(g) * p.E;
   unsigned long long key[PMAX];  // 0: no expert
@@ -332,7 +341,7 @@ __global__ void __launch_bounds__(kThreads, 1) router_fused_kernel(const FusedPa
     sv[q] = 0.0f;
     if (e < p.E) {
       sv[q] = route_score(__ldcg(zt + e), p.gate_temp);
-      key[q] = rank_key(p.bias ? sv[q] + p.bias[e] : sv[q], e);
+      key[q] = rank_key(p.bias ? sv[q] + bias_pre[q] : sv[q], e);
       m = key[q] > m ? key[q] : m;
     }
   }
@@ -368,6 +377,7 @@ __global__ void __launch_bounds__(kThreads, 1) router_fused_kernel(const FusedPa
       }
     }
   group_sync(g, G);
+  dev::trace_mark(43, g == 0);
   // weights as router_select_kernel: the sum in slot order
   if (j < p.topk) {
     float sum = 0.0f;
