@@ -159,6 +159,9 @@ struct DevLayer {
   // products of the normalized q latent in one launch; rows == 0 where they are not
   // adjacent
   QMatrix wq_b_idx;
+  // comp_wkv and comp_wgate (ratio > 1 KV sources) placed as a pair: both products of the
+  // attention input in one launch (one token); rows == 0 where they are not adjacent
+  QMatrix comp_kv_gate;
   float* idx_k_norm = nullptr;
   QMatrix gate;
   float* gate_bias = nullptr;
@@ -257,13 +260,19 @@ struct Uploader {
   }
   // Two matrices placed as a pair: FP8 matrices of one width and scale block go codes,
   // codes, scales, scales, and the joint view [n1 + n2, K] is returned when the second
-  // follows the first in both (rows of the first a multiple of the scale block); else
-  // (and for other formats) a view with rows == 0.
+  // follows the first in both (rows of the first a multiple of the scale block); BF16 / F32
+  // matrices of one format and width, one after the other; else a view with rows == 0.
   QMatrix pair(const QMatrix& h1, const QMatrix& h2, QMatrix& d1, QMatrix& d2) {
     QMatrix j;
     if (!(h1.fmt == WFormat::FP8_BLOCK && h2.fmt == WFormat::FP8_BLOCK && h1.cols == h2.cols && h1.block == h2.block)) {
       d1 = matrix(h1);
       d2 = matrix(h2);
+      const bool plain = h1.fmt == h2.fmt && (h1.fmt == WFormat::BF16 || h1.fmt == WFormat::F32) && h1.cols == h2.cols;
+      if (plain && !sizing && d1.data + h1.data_bytes() == d2.data) {
+        j = d1;
+        j.rows = h1.rows + h2.rows;
+        j.name = h1.name + "+" + h2.name;
+      }
       return j;
     }
     d1 = h1, d2 = h2;
@@ -337,8 +346,12 @@ void upload_pass(Uploader& u, const ModelConfig& c, const ModelWeights* hw) {
     L.wo_b = mat(h ? &h->wo_b : nullptr, WFormat::FP8_BLOCK, D, G * ol, "wo_b");
     L.attn_sink = u.vec(h ? h->attn_sink : none, static_cast<size_t>(H), 0.0f, 0.5f);
     if (c.is_kv_source(l)) {
-      L.comp_wkv = mat(h ? &h->comp_wkv : nullptr, WFormat::BF16, hd, D, "comp_wkv");
-      if (c.ratio(l) > 1) L.comp_wgate = mat(h ? &h->comp_wgate : nullptr, WFormat::BF16, hd, D, "comp_wgate");
+      const QMatrix hk = h ? h->comp_wkv : host_shape(WFormat::BF16, hd, D, B, "comp_wkv");
+      if (c.ratio(l) > 1)
+        L.comp_kv_gate = u.pair(hk, h ? h->comp_wgate : host_shape(WFormat::BF16, hd, D, B, "comp_wgate"), L.comp_wkv,
+                                L.comp_wgate);
+      else
+        L.comp_wkv = u.matrix(hk);
       L.comp_norm = u.vec(h ? h->comp_norm : none, static_cast<size_t>(hd));
     }
     if (c.is_index_source(l)) {
@@ -610,9 +623,10 @@ class CudaSession : public Session {
   float* gemv_ws_ = nullptr;
   size_t gemv_ws_bytes_ = 0;
   // decode: two side streams for the independent chains of the attention
-  cudaStream_t side_[2] = {nullptr, nullptr};
-  float* side_ws_[2] = {nullptr, nullptr};
-  cudaEvent_t ev_fork_ = nullptr, ev_join_[2] = {nullptr, nullptr};
+  // (2: the indexer weights of index layers)
+  cudaStream_t side_[3] = {nullptr, nullptr, nullptr};
+  float* side_ws_[3] = {nullptr, nullptr, nullptr};
+  cudaEvent_t ev_fork_ = nullptr, ev_join_[3] = {nullptr, nullptr, nullptr};
   // decode: the hc_mix coefficients of a site (needed only by the next site's pass) are
   // computed on a side stream while the main stream normalises and goes on
   cudaStream_t side_hc_ = nullptr;
@@ -789,7 +803,7 @@ CudaSession::CudaSession(const DeviceModel& m, const EngineOptions& o)
     chunk_.scales = static_cast<uint8_t*>(take(T * hd / 32));
     o_ = take(T * H * hd * ab_);
     zeta_ = take(T * G * ol * ab_);
-    kappa_ = static_cast<float*>(take(T * hd * 4));
+    kappa_ = static_cast<float*>(take(std::max<int64_t>(T, 2) * hd * 4));  // (one token: kv and gate rows)
     gamma_ = static_cast<float*>(take(T * hd * 4));
     comp_act_ = take(T * hd * ab_);
     idx_q_ = take(T * ih * ihd * ab_);
@@ -819,6 +833,7 @@ CudaSession::CudaSession(const DeviceModel& m, const EngineOptions& o)
     gemv_ws_ = static_cast<float*>(take(std::max<size_t>(gemv_ws_bytes_, 256)));
     side_ws_[0] = static_cast<float*>(take(std::max<size_t>(gemv_ws_bytes_, 256)));
     side_ws_[1] = static_cast<float*>(take(std::max<size_t>(gemv_ws_bytes_, 256)));
+    side_ws_[2] = static_cast<float*>(take(std::max<size_t>(gemv_ws_bytes_, 256)));
   };
   size_t total = 0;
   sizes(nullptr, total);
@@ -866,7 +881,7 @@ GemvOpts CudaSession::gemv_opts(bool qa8, int groups, cudaStream_t st) const {
   o.qa8 = qa8;
   o.qblock = c_.quant_block;
   o.groups = groups;
-  o.split_ws = st == side_[0] ? side_ws_[0] : st == side_[1] ? side_ws_[1] : gemv_ws_;
+  o.split_ws = st == side_[0] ? side_ws_[0] : st == side_[1] ? side_ws_[1] : st == side_[2] ? side_ws_[2] : gemv_ws_;
   o.split_ws_bytes = gemv_ws_bytes_;
   return o;
 }
@@ -1079,10 +1094,16 @@ void CudaSession::attention(int l, int T) {
   // the indexer weights on side 1; they join before the indexer scoring and the
   // attention. Prefill (and profiling) keeps one stream.
   const bool branch = branches(T);
-  cudaStream_t s_kv = branch ? side_[0] : stream_, s_cmp = branch ? side_[1] : stream_;
+  cudaStream_t s_kv = branch ? side_[0] : stream_, s_cmp = branch ? side_[1] : stream_,
+               s_iw = branch ? side_[2] : stream_;
+  const bool idx_w = r > 0 && c_.is_index_source(l);  // (the indexer weights: their own branch)
   if (branch) {
     DSX_CUDA_CHECK(cudaEventRecord(ev_fork_, stream_));
-    for (auto& sd : side_) DSX_CUDA_CHECK(cudaStreamWaitEvent(sd, ev_fork_, 0));
+    for (int i = 0; i < (idx_w ? 3 : 2); ++i) DSX_CUDA_CHECK(cudaStreamWaitEvent(side_[i], ev_fork_, 0));
+  }
+  if (idx_w) {
+    lin(L.idx_weights_proj, a_, D, T, act_, idx_w_, c_.index_n_heads, false, 1, s_iw);
+    if (branch) DSX_CUDA_CHECK(cudaEventRecord(ev_join_[2], s_iw));
   }
   // §3.4.2 window KV
   lin(L.wkv, a_, D, T, act_, kv_raw_, hd, true, 1, s_kv, staged_x(xst_attn_, T));
@@ -1099,7 +1120,11 @@ void CudaSession::attention(int l, int T) {
     CompressorArgs ca;
     ca.T = T, ca.ratio = r, ca.head_dim = static_cast<int>(hd), ca.idx_dim = c_.index_head_dim, ca.n_pairs = np;
     ca.eps = c_.rms_eps;
-    if (r > 1) {
+    if (r > 1 && T == 1 && L.comp_kv_gate.rows > 0) {  // (one launch: kappa_ holds both rows)
+      lin(L.comp_kv_gate, a_, D, T, Act::F32, kappa_, 2 * hd, false, 1, s_cmp);
+      ca.kv = kappa_, ca.gate = kappa_ + hd;
+      ca.proj_kv = cache_.proj_kv(l), ca.proj_gate = cache_.proj_gate(l), ca.proj_cap = cache_.geometry().proj_cap(l);
+    } else if (r > 1) {
       lin(L.comp_wkv, a_, D, T, Act::F32, kappa_, hd, false, 1, s_cmp);
       lin(L.comp_wgate, a_, D, T, Act::F32, gamma_, hd, false, 1, s_cmp);
       ca.kv = kappa_, ca.gate = gamma_;
@@ -1113,11 +1138,10 @@ void CudaSession::attention(int l, int T) {
     ca.rows = cache_.compressed(l), ca.keys = cache_.keys(l), ca.d_pos = cache_.d_pos();
     compressor_emit(act_, ca, s_cmp);
     if (r > 1)
-      proj_store(kappa_, gamma_, T, static_cast<int>(hd), cache_.proj_kv(l), cache_.proj_gate(l),
+      proj_store(ca.kv, ca.gate, T, static_cast<int>(hd), cache_.proj_kv(l), cache_.proj_gate(l),
                  cache_.geometry().proj_cap(l), cache_.d_pos(), s_cmp);
     prof_.mark("compressor", stream_);
   }
-  if (r > 0 && c_.is_index_source(l)) lin(L.idx_weights_proj, a_, D, T, act_, idx_w_, c_.index_n_heads, false, 1, s_cmp);
   if (branch) DSX_CUDA_CHECK(cudaEventRecord(ev_join_[1], s_cmp));
   // §3.4.1 queries
   lin(L.wq_a, a_, D, T, act_, q_lat_, ql, true, 1, nullptr, staged_x(xst_attn_, T));
@@ -1157,7 +1181,10 @@ void CudaSession::attention(int l, int T) {
       rope_fq4e8(act_, idx_q, idx_qf_, T, static_cast<int>(ih), static_cast<int>(ihd), np, m_.comp_inv_freq,
                  cache_.d_pos(), stream_);
       prof_.mark("indexer q/w", stream_);
-      if (branch) DSX_CUDA_CHECK(cudaStreamWaitEvent(stream_, ev_join_[1], 0));
+      if (branch) {
+        DSX_CUDA_CHECK(cudaStreamWaitEvent(stream_, ev_join_[1], 0));
+        DSX_CUDA_CHECK(cudaStreamWaitEvent(stream_, ev_join_[2], 0));
+      }
       const bool is_cand = l == c_.candidate_source_layer;
       const bool uses_cand = c_.candidate_source_layer >= 0 && c_.candidate_source_layer < l;
       IndexerScoreArgs ia;
