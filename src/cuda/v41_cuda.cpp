@@ -623,10 +623,10 @@ class CudaSession : public Session {
   float* gemv_ws_ = nullptr;
   size_t gemv_ws_bytes_ = 0;
   // decode: two side streams for the independent chains of the attention
-  // (2: the indexer weights of index layers)
+  // (2: the indexer weights of index layers; join 3: side 1's projection store)
   cudaStream_t side_[3] = {nullptr, nullptr, nullptr};
   float* side_ws_[3] = {nullptr, nullptr, nullptr};
-  cudaEvent_t ev_fork_ = nullptr, ev_join_[3] = {nullptr, nullptr, nullptr};
+  cudaEvent_t ev_fork_ = nullptr, ev_join_[4] = {nullptr, nullptr, nullptr, nullptr};
   // decode: the hc_mix coefficients of a site (needed only by the next site's pass) are
   // computed on a side stream while the main stream normalises and goes on
   cudaStream_t side_hc_ = nullptr;
@@ -1097,6 +1097,7 @@ void CudaSession::attention(int l, int T) {
   cudaStream_t s_kv = branch ? side_[0] : stream_, s_cmp = branch ? side_[1] : stream_,
                s_iw = branch ? side_[2] : stream_;
   const bool idx_w = r > 0 && c_.is_index_source(l);  // (the indexer weights: their own branch)
+  bool proj_stored = false;  // (side 1 ends with a projection store: ev_join_[3])
   if (branch) {
     DSX_CUDA_CHECK(cudaEventRecord(ev_fork_, stream_));
     for (int i = 0; i < (idx_w ? 3 : 2); ++i) DSX_CUDA_CHECK(cudaStreamWaitEvent(side_[i], ev_fork_, 0));
@@ -1137,12 +1138,19 @@ void CudaSession::attention(int l, int T) {
     ca.wk = reinterpret_cast<const uint16_t*>(L.idx_wk.data), ca.k_norm = L.idx_k_norm;
     ca.rows = cache_.compressed(l), ca.keys = cache_.keys(l), ca.d_pos = cache_.d_pos();
     compressor_emit(act_, ca, s_cmp);
-    if (r > 1)
+    // (the indexer and the attention need the emitted row; the projection store after it
+    // is for later steps and joins only before the attention)
+    if (branch) DSX_CUDA_CHECK(cudaEventRecord(ev_join_[1], s_cmp));
+    if (r > 1) {
       proj_store(ca.kv, ca.gate, T, static_cast<int>(hd), cache_.proj_kv(l), cache_.proj_gate(l),
                  cache_.geometry().proj_cap(l), cache_.d_pos(), s_cmp);
+      if (branch) DSX_CUDA_CHECK(cudaEventRecord(ev_join_[3], s_cmp));
+      proj_stored = true;
+    }
     prof_.mark("compressor", stream_);
+  } else if (branch) {
+    DSX_CUDA_CHECK(cudaEventRecord(ev_join_[1], s_cmp));
   }
-  if (branch) DSX_CUDA_CHECK(cudaEventRecord(ev_join_[1], s_cmp));
   // §3.4.1 queries
   lin(L.wq_a, a_, D, T, act_, q_lat_, ql, true, 1, nullptr, staged_x(xst_attn_, T));
   prof_.mark("wq_a", stream_);
@@ -1216,7 +1224,7 @@ void CudaSession::attention(int l, int T) {
   }
   if (branch) {
     DSX_CUDA_CHECK(cudaStreamWaitEvent(stream_, ev_join_[0], 0));
-    DSX_CUDA_CHECK(cudaStreamWaitEvent(stream_, ev_join_[1], 0));
+    DSX_CUDA_CHECK(cudaStreamWaitEvent(stream_, proj_stored ? ev_join_[3] : ev_join_[1], 0));
   }
   // §3.4.7 attention, with the inverse RoPE of §3.4.8 fused
   AttnArgs aa;

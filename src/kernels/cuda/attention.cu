@@ -506,6 +506,7 @@ __global__ void __launch_bounds__(128) attn_mma_kernel(AttnParams p) {
       decode_rows<HD, 128>(p, t, c0, nr, nw, lo_w, p0, kv_s, QS, true);
     }
     __syncthreads();
+    dev::trace_mark(15);
     // S tile of this warp: 16 heads x key rows 8w .. 8w+7, as four independent mma
     // chains (k steps 4i .. 4i + 3 of each 64 dims), added at the end: a chain of
     // HD / 64 dependent mma instead of HD / 16

@@ -326,6 +326,7 @@ __global__ void __launch_bounds__(kSmallThreads)
   uint32_t key[kSmallPer];
 #pragma unroll
   for (int j = 0; j < kSmallPer; ++j) key[j] = j < per && i0 + j < n ? score_key(__ldg(s + i0 + j)) : 0u;
+  dev::trace_mark(61);
 
   // ---- radix select of the k-th largest key (11 + 11 + 10 bits)
   uint32_t prefix = 0u, krem = static_cast<uint32_t>(k);
@@ -366,6 +367,7 @@ __global__ void __launch_bounds__(kSmallThreads)
     __syncthreads();  // s_bucket / hist reused
     if (whole) break;
   }
+  dev::trace_mark(62);
   // selected: keys > tau, then the first `need` keys equal to tau in position order (a
   // whole bucket: every key >= prefix << low)
   const uint32_t tau = all ? kMinValid - 1u : whole ? (prefix << low) - 1u : prefix;
