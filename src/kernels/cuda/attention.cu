@@ -391,8 +391,14 @@ constexpr size_t attn_mma_smem_bytes() {
          (kAsyncRows<HD> ? static_cast<size_t>(kC) * kRawRow<HD> + 4 * kC : 0);
 }
 
+// Threads of the tensor-core kernel: warps 0-3 run the mma steps (16 heads x 8 rows each
+// in S, HD / 4 dims each in O); all 8 warps load, decode the rows and rotate q (the row
+// decode is a chain of integer / float steps per element: with one warp per scheduler it
+// took ~3 us of the ~9 at 8k).
+constexpr int kMmaThreads = 256;
+
 template <int HD>
-__global__ void __launch_bounds__(128) attn_mma_kernel(AttnParams p) {
+__global__ void __launch_bounds__(kMmaThreads) attn_mma_kernel(AttnParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   constexpr int QS = HD + 8;  // q_s / kv_s row stride (elements)
   constexpr int PS = kC + 8;  // p_s row stride
@@ -420,7 +426,8 @@ __global__ void __launch_bounds__(128) attn_mma_kernel(AttnParams p) {
   if (p.q_inv_freq) {
     // (cos, sin) of each RoPE pair of the queries (one f64 sincos per thread) into s_s,
     // which the chunk loop only uses after its first barrier
-    for (int k = tid; k < p.n_pairs; k += 128) rope_cs(static_cast<float>(pos), p.q_inv_freq[k], s_s[k], s_s[p.n_pairs + k]);
+    for (int k = tid; k < p.n_pairs; k += kMmaThreads)
+      rope_cs(static_cast<float>(pos), p.q_inv_freq[k], s_s[k], s_s[p.n_pairs + k]);
   }
   int ns = 0, rb = 0, re = 0;
   auto rows_of_split = [&]() {
@@ -436,7 +443,7 @@ __global__ void __launch_bounds__(128) attn_mma_kernel(AttnParams p) {
     const int nr = min(kC, re - c0);
     if (tid < nr && c0 + tid >= nw) ids_s[tid] = p.sel[static_cast<int64_t>(t) * p.sel_ld + (c0 + tid - nw)];
     __syncthreads();
-    copy_rows_async<HD, 128>(p, c0, nr, nw, lo_w, p0, ids_s, raw_s);
+    copy_rows_async<HD, kMmaThreads>(p, c0, nr, nw, lo_w, p0, ids_s, raw_s);
   };
   if (p.sel_early) {  // (uniform over the block: issue_chunk has a barrier)
     rows_of_split();
@@ -447,21 +454,21 @@ __global__ void __launch_bounds__(128) attn_mma_kernel(AttnParams p) {
   dev::pdl_launch_dependents();
   if (!p.sel_early) rows_of_split();
   const bf16* qg = static_cast<const bf16*>(p.q) + (static_cast<int64_t>(t) * p.H + hg * 16) * HD;
-  {  // all of a thread's loads in flight at once (HD / 64 per thread), then the stores
-    constexpr int QI = 16 * (HD / 8) / 128;
+  {  // all of a thread's loads in flight at once, then the stores
+    constexpr int QN = 16 * (HD / 8), QI = (QN + kMmaThreads - 1) / kMmaThreads;
     uint4 v[QI];
 #pragma unroll
     for (int u = 0; u < QI; ++u) {
-      const int i = tid + u * 128, h = i / (HD / 8), c = i - h * (HD / 8);
-      v[u] = *reinterpret_cast<const uint4*>(qg + h * HD + c * 8);
+      const int i = tid + u * kMmaThreads, h = i / (HD / 8), c = i - h * (HD / 8);
+      if (QN % kMmaThreads == 0 || i < QN) v[u] = *reinterpret_cast<const uint4*>(qg + h * HD + c * 8);
     }
     // (the first chunk's rows load while the queries are stored and rotated)
     if constexpr (kAsyncRows<HD>)
       if (!p.sel_early && rb < re) issue_chunk(rb);
 #pragma unroll
     for (int u = 0; u < QI; ++u) {
-      const int i = tid + u * 128, h = i / (HD / 8), c = i - h * (HD / 8);
-      *reinterpret_cast<uint4*>(q_s + h * QS + c * 8) = v[u];
+      const int i = tid + u * kMmaThreads, h = i / (HD / 8), c = i - h * (HD / 8);
+      if (QN % kMmaThreads == 0 || i < QN) *reinterpret_cast<uint4*>(q_s + h * QS + c * 8) = v[u];
     }
   }
   if (p.q_inv_freq) {
@@ -470,7 +477,7 @@ __global__ void __launch_bounds__(128) attn_mma_kernel(AttnParams p) {
     // (cos, sin) of the pairs were computed before the wait
     const int np = p.n_pairs, off = HD - 2 * np;
     __syncthreads();
-    for (int i = tid; i < 16 * np; i += 128) {
+    for (int i = tid; i < 16 * np; i += kMmaThreads) {
       const int h = i / np, k = i - h * np;
       const float c = s_s[k], s = s_s[np + k];
       uint16_t* qp = reinterpret_cast<uint16_t*>(q_s + h * QS + off + 2 * k);
@@ -501,54 +508,56 @@ __global__ void __launch_bounds__(128) attn_mma_kernel(AttnParams p) {
       __syncthreads();
       dev::trace_mark(12);
       dev::trace_mark(22, mk_last);
-      convert_rows<HD, 128>(raw_s, c0, nr, nw, kv_s, QS);
+      convert_rows<HD, kMmaThreads>(raw_s, c0, nr, nw, kv_s, QS);
     } else {
-      decode_rows<HD, 128>(p, t, c0, nr, nw, lo_w, p0, kv_s, QS, true);
+      decode_rows<HD, kMmaThreads>(p, t, c0, nr, nw, lo_w, p0, kv_s, QS, true);
     }
     __syncthreads();
     dev::trace_mark(15);
-    // S tile of this warp: 16 heads x key rows 8w .. 8w+7, as four independent mma
-    // chains (k steps 4i .. 4i + 3 of each 64 dims), added at the end: a chain of
-    // HD / 64 dependent mma instead of HD / 16
-    float sc4[4][4] = {};
+    if (warp < 4) {  // (mma warps)
+      // S tile of this warp: 16 heads x key rows 8w .. 8w+7, as four independent mma
+      // chains (k steps 4i .. 4i + 3 of each 64 dims), added at the end: a chain of
+      // HD / 64 dependent mma instead of HD / 16
+      float sc4[4][4] = {};
 #pragma unroll 2
-    for (int k0 = 0; k0 < HD; k0 += 64) {
+      for (int k0 = 0; k0 < HD; k0 += 64) {
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int k1 = k0 + 32 * hh;
-        uint32_t a[4], a2[4], b[4];
-        ldsm_x4(a, q_s + (lane & 15) * QS + k1 + (lane >> 4) * 8);
-        ldsm_x4(a2, q_s + (lane & 15) * QS + k1 + 16 + (lane >> 4) * 8);
-        ldsm_x4(b, kv_s + (8 * warp + (lane & 7)) * QS + k1 + (lane >> 3) * 8);
-        float(&c0)[4] = sc4[2 * hh];
-        float(&c1)[4] = sc4[2 * hh + 1];
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-            "{%0, %1, %2, %3};\n"
-            : "+f"(c0[0]), "+f"(c0[1]), "+f"(c0[2]), "+f"(c0[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-            "{%0, %1, %2, %3};\n"
-            : "+f"(c1[0]), "+f"(c1[1]), "+f"(c1[2]), "+f"(c1[3])
-            : "r"(a2[0]), "r"(a2[1]), "r"(a2[2]), "r"(a2[3]), "r"(b[2]), "r"(b[3]));
+        for (int hh = 0; hh < 2; ++hh) {
+          const int k1 = k0 + 32 * hh;
+          uint32_t a[4], a2[4], b[4];
+          ldsm_x4(a, q_s + (lane & 15) * QS + k1 + (lane >> 4) * 8);
+          ldsm_x4(a2, q_s + (lane & 15) * QS + k1 + 16 + (lane >> 4) * 8);
+          ldsm_x4(b, kv_s + (8 * warp + (lane & 7)) * QS + k1 + (lane >> 3) * 8);
+          float(&c0)[4] = sc4[2 * hh];
+          float(&c1)[4] = sc4[2 * hh + 1];
+          asm volatile(
+              "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+              "{%0, %1, %2, %3};\n"
+              : "+f"(c0[0]), "+f"(c0[1]), "+f"(c0[2]), "+f"(c0[3])
+              : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+          asm volatile(
+              "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+              "{%0, %1, %2, %3};\n"
+              : "+f"(c1[0]), "+f"(c1[1]), "+f"(c1[2]), "+f"(c1[3])
+              : "r"(a2[0]), "r"(a2[1]), "r"(a2[2]), "r"(a2[3]), "r"(b[2]), "r"(b[3]));
+        }
       }
-    }
-    float sc[4];
+      float sc[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) sc[i] = (sc4[0][i] + sc4[1][i]) + (sc4[2][i] + sc4[3][i]);
-    {
-      const int r0 = 8 * warp + 2 * tig;
-      s_s[gid * kC + r0] = r0 < nr ? sc[0] * p.scale : -INFINITY;
-      s_s[gid * kC + r0 + 1] = r0 + 1 < nr ? sc[1] * p.scale : -INFINITY;
-      s_s[(gid + 8) * kC + r0] = r0 < nr ? sc[2] * p.scale : -INFINITY;
-      s_s[(gid + 8) * kC + r0 + 1] = r0 + 1 < nr ? sc[3] * p.scale : -INFINITY;
+      for (int i = 0; i < 4; ++i) sc[i] = (sc4[0][i] + sc4[1][i]) + (sc4[2][i] + sc4[3][i]);
+      {
+        const int r0 = 8 * warp + 2 * tig;
+        s_s[gid * kC + r0] = r0 < nr ? sc[0] * p.scale : -INFINITY;
+        s_s[gid * kC + r0 + 1] = r0 + 1 < nr ? sc[1] * p.scale : -INFINITY;
+        s_s[(gid + 8) * kC + r0] = r0 < nr ? sc[2] * p.scale : -INFINITY;
+        s_s[(gid + 8) * kC + r0 + 1] = r0 + 1 < nr ? sc[3] * p.scale : -INFINITY;
+      }
     }
     __syncthreads();
     dev::trace_mark(13);
     dev::trace_mark(23, mk_last);
-    // online softmax: head h = tid / 8, rows 4 * (tid % 8) .. + 3
-    {
+    // online softmax: head h = tid / 8, rows 4 * (tid % 8) .. + 3 (warps 0-3)
+    if (tid < 128) {
       const int h = tid >> 3, sub = tid & 7;
       float v[4];
       float mx = -INFINITY;
@@ -580,8 +589,8 @@ __global__ void __launch_bounds__(128) attn_mma_kernel(AttnParams p) {
       }
     }
     __syncthreads();
-    // O += P V on this warp's dims
-    {
+    // O += P V on this warp's dims (mma warps)
+    if (warp < 4) {
       const float al0 = al_s[gid], al1 = al_s[gid + 8];
 #pragma unroll
       for (int j = 0; j < NTW; ++j) {
@@ -618,6 +627,7 @@ __global__ void __launch_bounds__(128) attn_mma_kernel(AttnParams p) {
   dev::trace_mark(24, mk_last);
 
   // ---- output: acc[j][0..1] -> head gid, acc[j][2..3] -> head gid + 8; dims n0 + 2 tig + {0, 1}
+  if (warp >= 4) return;
 #pragma unroll
   for (int which = 0; which < 2; ++which) {
     const int hl = gid + 8 * which;
@@ -669,7 +679,7 @@ __global__ void __launch_bounds__(HD) attn_combine_kernel(int H, int S, const fl
   dev::pdl_launch_dependents();  // (wo_a's blocks launch meanwhile; its weights stream before its wait)
   // before the wait: the sink and the inverse-RoPE table (the position was advanced by the
   // previous step), which do not depend on the attention kernel
-  const float sink = d == 0 ? sink_arr[h] : 0.0f;
+  const float sink = d < 32 ? sink_arr[h] : 0.0f;
   if (inv_freq && d >= 32 && d < 32 + n_pairs) {
     const int k = d - 32;
     rope_cs(static_cast<float>(*d_pos + t), inv_freq[k], cs[k], cs[HD / 2 + k]);
@@ -680,23 +690,22 @@ __global__ void __launch_bounds__(HD) attn_combine_kernel(int H, int S, const fl
   // The split maxima and denominators are read once (warp 0), not by every thread; then
   // each thread reads its S values with independent loads (one round of L2 latency
   // instead of six).
-  if (d < 32) {
+  if (d < 32) {  // M = max(sink, m_s) and the denominator e^(sink-M) + sum_s l_s e^(m_s-M): lane d
+    // holds splits d, d + 32, ...; warp max and sum (a fixed tree order)
+    float M = sink, part = 0.0f;
     for (int s = d; s < S; s += 32) {  // m_s, l_s of every split, loaded in parallel
       fs[s] = __ldcg(w0 + s * sstride);
       ls[s] = __ldcg(w0 + s * sstride + 1);
+      M = fmaxf(M, fs[s]);
     }
-    __syncwarp();
-    if (d == 0) {  // M and the denominator in split order: e^(sink-M) + sum_s l_s e^(m_s-M)
-      float M = sink;
-      for (int s = 0; s < S; ++s) M = fmaxf(M, fs[s]);
-      float den = expf(sink - M);
-      for (int s = 0; s < S; ++s) {
-        const float f = expf(fs[s] - M);
-        fs[s] = f;
-        den = fmaf(ls[s], f, den);
-      }
-      den_s = den;
+    M = dev::warp_max(M);
+    for (int s = d; s < S; s += 32) {
+      const float f = expf(fs[s] - M);
+      fs[s] = f;
+      part = fmaf(ls[s], f, part);
     }
+    part = dev::warp_sum(part);
+    if (d == 0) den_s = expf(sink - M) + part;
   }
   __syncthreads();
   dev::trace_mark(31);
@@ -769,7 +778,7 @@ void launch_mma(const AttnArgs& a, const AttnParams& prm, cudaStream_t stream) {
     configured = true;
   }
   dim3 grid(a.n_splits, a.n_heads / 16, a.T);
-  detail::launch_pdl(attn_mma_kernel<HD>, grid, dim3(128), smem, stream, prm);
+  detail::launch_pdl(attn_mma_kernel<HD>, grid, dim3(kMmaThreads), smem, stream, prm);
   if (a.n_splits > 1)
     detail::launch_pdl(attn_combine_kernel<bf16, HD>, dim3(a.n_heads, a.T), dim3(HD), 0, stream, a.n_heads,
                        a.n_splits, static_cast<const float*>(a.work), static_cast<const float*>(a.sink), a.n_pairs,
