@@ -56,7 +56,10 @@ __global__ void __launch_bounds__(kThreads) indexer_scores_kernel(
   constexpr bool kBf16 = !std::is_same<T, float>::value;
   const int t = blockIdx.y;
   pdl_launch_dependents();  // (the top-k launches meanwhile and waits for all of this kernel)
-  pdl_wait();  // q, w, the keys and d_pos come from earlier kernels (programmatic dependent launch)
+  // Before the wait: the position (advanced by the previous step), the candidate blocks
+  // (an earlier layer's top-k) and the keys (the compressor, on a side branch joined before
+  // this kernel) do not come from the previous kernel; this block's key rows are prefetched
+  // into L2 meanwhile. q comes from the previous kernel (the queries' RoPE).
   const int64_t p0 = *d_pos;
   const int64_t n_vis = (p0 + t + 1) / r;
   const bool cand = cand_blocks != nullptr;
@@ -64,6 +67,16 @@ __global__ void __launch_bounds__(kThreads) indexer_scores_kernel(
   if (blockIdx.x == 0 && threadIdx.x == 0) counts[t] = static_cast<int32_t>(count);
   const int64_t base = static_cast<int64_t>(blockIdx.x) * (kRowThreads * kRowsPerThread);
   if (base >= count) return;
+  for (int i = threadIdx.x; i < kRowThreads * kRowsPerThread; i += kThreads) {
+    const int64_t ix = base + i;
+    if (ix >= count) break;
+    const int64_t j = cand ? static_cast<int64_t>(cand_blocks[t * cand_ld + ix / cbs]) * cbs + ix % cbs : ix;
+    if (j < n_vis) {
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(kp + j * (hd / 2)));
+      if ((j & 31) == 0 || i == 0) asm volatile("prefetch.global.L2 [%0];" ::"l"(ks + j * (hd / 32)));
+    }
+  }
+  pdl_wait();
 
   float* q_s = reinterpret_cast<float*>(q_s4);
   const float4* qt = reinterpret_cast<const float4*>(q + static_cast<int64_t>(t) * H * hd);  // H hd % 4 == 0
