@@ -162,18 +162,9 @@ __device__ __forceinline__ float rope_lane_apply(float v, int d, int len, int n_
 }
 __device__ __forceinline__ float rope_lane(float v, int d, int len, int n_pairs, float pos, const float* inv_freq,
                                            bool inverse) {
-  const float other = __shfl_xor_sync(0xffffffffu, v, 1);
-  const int off = len - 2 * n_pairs;
-  if (d < off || d >= len) return v;
   float c, s;
-  rope_cs(pos, inv_freq[(d - off) >> 1], c, s);
-  float ra, rb;
-  if ((d & 1) == 0) {
-    rope_pair(v, other, c, s, inverse, ra, rb);
-    return ra;
-  }
-  rope_pair(other, v, c, s, inverse, ra, rb);
-  return rb;
+  rope_lane_cs(d, len, n_pairs, pos, inv_freq, c, s);
+  return rope_lane_apply(v, d, len, n_pairs, c, s, inverse);
 }
 
 // sigmoid as the CPU: 1 / (1 + exp(-x))
