@@ -3,6 +3,7 @@
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/elementwise_dev.cuh"
+#include "kernels/cuda/pdl_device.cuh"  // (trace marks)
 #include "util/error.h"
 
 namespace dsx::cuda {
@@ -25,6 +26,7 @@ __global__ void compressor_kernel(int Tn, int r, int hd, int idx, int np, float 
   __shared__ double red[32];
   float* lat_s = sm;
   float* k_s = sm + hd;
+  dev::trace_mark(72);
   const int64_t p0 = *d_pos;
   const int64_t j = p0 / r + blockIdx.x;
   if ((j + 1) * r > p0 + Tn) return;  // uniform: the group is not complete in this chunk

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/pdl_device.cuh"  // (trace marks)
 #include "util/error.h"
 #include "util/numerics.h"
 
@@ -370,6 +371,7 @@ __global__ void window_store_kernel(const uint8_t* __restrict__ src_codes, const
 __global__ void proj_store_kernel(const float* __restrict__ kv, const float* __restrict__ gate, int dim, int first,
                                   float* __restrict__ ring_kv, float* __restrict__ ring_gate, int cap,
                                   const int64_t* __restrict__ d_pos) {
+  dev::trace_mark(73);
   const int i = first + static_cast<int>(blockIdx.x);
   const int64_t slot = (*d_pos + i) % cap;
   for (int k = threadIdx.x; k < dim; k += blockDim.x) {
