@@ -10,6 +10,7 @@
 #include <cstring>
 #include <cstdio>
 #include <cstdlib>
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <random>
@@ -831,9 +832,7 @@ CudaSession::CudaSession(const DeviceModel& m, const EngineOptions& o)
     logits_ = static_cast<float*>(take(T * V * 4));
     gemm_ws_ = take(std::max<size_t>(gemm_ws_bytes_, 256));
     gemv_ws_ = static_cast<float*>(take(std::max<size_t>(gemv_ws_bytes_, 256)));
-    side_ws_[0] = static_cast<float*>(take(std::max<size_t>(gemv_ws_bytes_, 256)));
-    side_ws_[1] = static_cast<float*>(take(std::max<size_t>(gemv_ws_bytes_, 256)));
-    side_ws_[2] = static_cast<float*>(take(std::max<size_t>(gemv_ws_bytes_, 256)));
+    for (float*& ws : side_ws_) ws = static_cast<float*>(take(std::max<size_t>(gemv_ws_bytes_, 256)));
   };
   size_t total = 0;
   sizes(nullptr, total);
@@ -881,7 +880,9 @@ GemvOpts CudaSession::gemv_opts(bool qa8, int groups, cudaStream_t st) const {
   o.qa8 = qa8;
   o.qblock = c_.quant_block;
   o.groups = groups;
-  o.split_ws = st == side_[0] ? side_ws_[0] : st == side_[1] ? side_ws_[1] : st == side_[2] ? side_ws_[2] : gemv_ws_;
+  o.split_ws = gemv_ws_;
+  for (size_t i = 0; i < std::size(side_); ++i)
+    if (st == side_[i]) o.split_ws = side_ws_[i];
   o.split_ws_bytes = gemv_ws_bytes_;
   return o;
 }
@@ -1097,7 +1098,7 @@ void CudaSession::attention(int l, int T) {
   cudaStream_t s_kv = branch ? side_[0] : stream_, s_cmp = branch ? side_[1] : stream_,
                s_iw = branch ? side_[2] : stream_;
   const bool idx_w = r > 0 && c_.is_index_source(l);  // (the indexer weights: their own branch)
-  bool proj_stored = false;  // (side 1 ends with a projection store: ev_join_[3])
+  const bool proj_store_on = r > 1 && c_.is_kv_source(l);  // (side 1 ends with it: ev_join_[3])
   if (branch) {
     DSX_CUDA_CHECK(cudaEventRecord(ev_fork_, stream_));
     for (int i = 0; i < (idx_w ? 3 : 2); ++i) DSX_CUDA_CHECK(cudaStreamWaitEvent(side_[i], ev_fork_, 0));
@@ -1121,14 +1122,15 @@ void CudaSession::attention(int l, int T) {
     CompressorArgs ca;
     ca.T = T, ca.ratio = r, ca.head_dim = static_cast<int>(hd), ca.idx_dim = c_.index_head_dim, ca.n_pairs = np;
     ca.eps = c_.rms_eps;
-    if (r > 1 && T == 1 && L.comp_kv_gate.rows > 0) {  // (one launch: kappa_ holds both rows)
-      lin(L.comp_kv_gate, a_, D, T, Act::F32, kappa_, 2 * hd, false, 1, s_cmp);
-      ca.kv = kappa_, ca.gate = kappa_ + hd;
-      ca.proj_kv = cache_.proj_kv(l), ca.proj_gate = cache_.proj_gate(l), ca.proj_cap = cache_.geometry().proj_cap(l);
-    } else if (r > 1) {
-      lin(L.comp_wkv, a_, D, T, Act::F32, kappa_, hd, false, 1, s_cmp);
-      lin(L.comp_wgate, a_, D, T, Act::F32, gamma_, hd, false, 1, s_cmp);
-      ca.kv = kappa_, ca.gate = gamma_;
+    if (r > 1) {
+      if (T == 1 && L.comp_kv_gate.rows > 0) {  // (one launch: kappa_ holds both rows)
+        lin(L.comp_kv_gate, a_, D, T, Act::F32, kappa_, 2 * hd, false, 1, s_cmp);
+        ca.kv = kappa_, ca.gate = kappa_ + hd;
+      } else {
+        lin(L.comp_wkv, a_, D, T, Act::F32, kappa_, hd, false, 1, s_cmp);
+        lin(L.comp_wgate, a_, D, T, Act::F32, gamma_, hd, false, 1, s_cmp);
+        ca.kv = kappa_, ca.gate = gamma_;
+      }
       ca.proj_kv = cache_.proj_kv(l), ca.proj_gate = cache_.proj_gate(l), ca.proj_cap = cache_.geometry().proj_cap(l);
     } else {
       lin(L.comp_wkv, a_, D, T, act_, comp_act_, hd, false, 1, s_cmp);
@@ -1141,11 +1143,10 @@ void CudaSession::attention(int l, int T) {
     // (the indexer and the attention need the emitted row; the projection store after it
     // is for later steps and joins only before the attention)
     if (branch) DSX_CUDA_CHECK(cudaEventRecord(ev_join_[1], s_cmp));
-    if (r > 1) {
+    if (proj_store_on) {
       proj_store(ca.kv, ca.gate, T, static_cast<int>(hd), cache_.proj_kv(l), cache_.proj_gate(l),
                  cache_.geometry().proj_cap(l), cache_.d_pos(), s_cmp);
       if (branch) DSX_CUDA_CHECK(cudaEventRecord(ev_join_[3], s_cmp));
-      proj_stored = true;
     }
     prof_.mark("compressor", stream_);
   } else if (branch) {
@@ -1224,7 +1225,7 @@ void CudaSession::attention(int l, int T) {
   }
   if (branch) {
     DSX_CUDA_CHECK(cudaStreamWaitEvent(stream_, ev_join_[0], 0));
-    DSX_CUDA_CHECK(cudaStreamWaitEvent(stream_, proj_stored ? ev_join_[3] : ev_join_[1], 0));
+    DSX_CUDA_CHECK(cudaStreamWaitEvent(stream_, proj_store_on ? ev_join_[3] : ev_join_[1], 0));
   }
   // §3.4.7 attention, with the inverse RoPE of §3.4.8 fused
   AttnArgs aa;
