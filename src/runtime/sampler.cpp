@@ -1,12 +1,9 @@
 #include "runtime/sampler.h"
 
 #include <algorithm>
-#include <functional>
 #include <bit>
 #include <cmath>
-#include <cstring>
 #include <limits>
-#include <numeric>
 #include <vector>
 
 #include "runtime/engine.h"
@@ -14,23 +11,31 @@
 
 namespace dsx {
 
-// Two passes: the largest value (eight independent running maxima, branch-free, so the
-// compiler vectorises it), then the first index holding it. A decode step's 129280
-// logits took ~130-300 us on the plain scan's one dependent compare chain. Same result
-// as the plain scan: the first index of the largest value; NaNs never win; a NaN at
-// index 0 returns 0 (nothing compares greater than it).
-int32_t argmax(const float* l, int64_t n) {
-  if (n <= 0 || std::isnan(l[0])) return 0;
+namespace {
+// The largest value of l[0..n), NaNs skipped (-inf when there is none): eight independent
+// running maxima, branch-free, so the compiler vectorises it (a decode step's 129280
+// logits took ~130-300 us on one dependent compare chain), then theirs.
+float max_value(const float* l, int64_t n) {
   constexpr int kLanes = 8;
   float m[kLanes];
-  for (int j = 0; j < kLanes; ++j) m[j] = l[0];
+  for (int j = 0; j < kLanes; ++j) m[j] = -std::numeric_limits<float>::infinity();
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes)
     for (int j = 0; j < kLanes; ++j) m[j] = l[i + j] > m[j] ? l[i + j] : m[j];
-  float v = m[0];
-  for (int j = 1; j < kLanes; ++j) v = m[j] > v ? m[j] : v;
-  for (; i < n; ++i) v = l[i] > v ? l[i] : v;
-  for (i = 0; i < n; ++i)
+  for (; i < n; ++i) m[0] = l[i] > m[0] ? l[i] : m[0];
+  float mx = m[0];
+  for (int j = 1; j < kLanes; ++j) mx = m[j] > mx ? m[j] : mx;
+  return mx;
+}
+}  // namespace
+
+// Two passes: the largest value, then the first index holding it. Same result as the
+// plain scan: the first index of the largest value; NaNs never win; a NaN at index 0
+// returns 0 (nothing compares greater than it).
+int32_t argmax(const float* l, int64_t n) {
+  if (n <= 0 || std::isnan(l[0])) return 0;
+  const float v = max_value(l, n);
+  for (int64_t i = 0; i < n; ++i)
     if (l[i] == v) return static_cast<int32_t>(i);
   return 0;
 }
@@ -151,16 +156,7 @@ void weights_of(const float* __restrict l, int64_t n, float mx, float k, float* 
 }  // namespace
 
 float sample_weights(const float* l, int64_t n, float T, float* w) {
-  // the largest logit, NaNs skipped: eight running maxima (vectorised), then theirs
-  constexpr int kLanes = 8;
-  float m[kLanes];
-  for (int j = 0; j < kLanes; ++j) m[j] = -std::numeric_limits<float>::infinity();
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int j = 0; j < kLanes; ++j) m[j] = l[i + j] > m[j] ? l[i + j] : m[j];
-  for (; i < n; ++i) m[0] = l[i] > m[0] ? l[i] : m[0];
-  float mx = m[0];
-  for (int j = 1; j < kLanes; ++j) mx = m[j] > mx ? m[j] : mx;
+  const float mx = max_value(l, n);
   if (!std::isfinite(mx)) return mx;
   weights_of(l, n, mx, static_cast<float>(1.4426950408889634 / static_cast<double>(T)), w);
   return mx;
