@@ -32,8 +32,8 @@
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/gemv.h"
 #include "kernels/cuda/quant_act.h"
-#include "runtime/sampler.h"
 #include "kernels/cuda/router.h"
+#include "runtime/sampler.h"
 #include "util/numerics.h"
 
 using namespace dsx;
@@ -1056,8 +1056,6 @@ TEST(CudaRouter, TiesPreferLowerId) {
   }
 }
 
-#endif  // DSX_HAVE_CUDA
-
 // GemvOpts::pick: the greedy id of a one-token product, folded into the CUDA-core kernel
 // (large bf16 matrices, like the head) or by argmax_rows after the other paths, against the
 // host argmax of the same output row: ties (a copy of the largest row placed before it), a
@@ -1115,3 +1113,5 @@ TEST(CudaGemv, GreedyPick) {
   }
   cudaFreeHost(host);
 }
+
+#endif  // DSX_HAVE_CUDA
