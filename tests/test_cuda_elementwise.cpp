@@ -16,9 +16,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "kernels/cpu/ops.h"
@@ -520,6 +522,81 @@ TEST(CudaHc, PassAndFinish) {
           }
         EXPECT_EQ(count_bit_diff(download_act(dmean, mean_w.size(), act), mean_w), 0u) << "stream mean";
       }
+}
+
+// ------------------------------------------------------------------------------------------
+// The Sinkhorn branch's signal (signal_device.cuh): the next pass, launched on another
+// stream with no dependency on the mix, must wait in the kernel for the mix's signal.
+// The side stream is held by a host function that sleeps, the mix outputs start as NaN,
+// and the pass must give bit for bit what it gives ordered on one stream; twice on the
+// same slot, which must be back at rest (zero) after each consumer.
+namespace {
+void CUDART_CB sleep_host(void*) { std::this_thread::sleep_for(std::chrono::milliseconds(150)); }
+}  // namespace
+
+TEST(CudaHc, SignalJoinsTheMixAcrossStreams) {
+  SKIP_WITHOUT_GPU();
+  Rng rng(37);
+  cudaStream_t main_st = nullptr, side_st = nullptr;
+  DSX_CUDA_CHECK(cudaStreamCreateWithFlags(&main_st, cudaStreamNonBlocking));
+  DSX_CUDA_CHECK(cudaStreamCreateWithFlags(&side_st, cudaStreamNonBlocking));
+  DeviceBuffer slot(64);
+  DSX_CUDA_CHECK(cudaMemset(slot.get(), 0, 64));
+  DSX_CUDA_CHECK(cudaDeviceSynchronize());
+  for (Act act : {Act::F32, Act::BF16})
+    for (int T : {1, 3}) {
+      const int64_t D = 5120, F = 4 * D;
+      std::vector<float> X = act_values(randn(static_cast<size_t>(T * F), rng), act);
+      std::vector<float> y = act_values(randn(static_cast<size_t>(T * D), rng, 0.5f), act);
+      std::vector<float> fn = randn(static_cast<size_t>(24 * F), rng, 0.01f);
+      std::vector<float> base = randn(24, rng, 0.5f), scale = {0.7f, 0.9f, 1.3f};
+      DeviceBuffer dy = upload_act(y, act), dfn = upload_vec(fn), dbase = upload_vec(base), dscale = upload_vec(scale);
+      // run 0: ordered on one stream (reference); runs 1, 2: mix on the side stream behind
+      // a sleep, signalled; the pass on the main stream, waiting for the signal
+      std::vector<float> ref_X, ref_col;
+      for (int run = 0; run < 3; ++run) {
+        DeviceBuffer dX = upload_act(X, act), dcol(static_cast<size_t>(T * D) * cuda::act_bytes(act)),
+            dcol2(static_cast<size_t>(T * D) * cuda::act_bytes(act)), dwork(cuda::hc_work_bytes(T, D));
+        DeviceBuffer dpre(static_cast<size_t>(T) * 16), dpost(static_cast<size_t>(T) * 16), dcomb(static_cast<size_t>(T) * 64);
+        for (DeviceBuffer* b : {&dpre, &dpost, &dcomb}) DSX_CUDA_CHECK(cudaMemset(b->get(), 0xff, b->size()));  // NaN
+        DSX_CUDA_CHECK(cudaDeviceSynchronize());  // (the memsets ran on the legacy stream)
+        cuda::HcPassArgs p1;  // partials of the mix of X
+        p1.T = T, p1.D = D, p1.X = dX.get(), p1.fn = dfn.as<float>(), p1.work = dwork.get();
+        cuda::hc_pass(act, p1, main_st);
+        DSX_CUDA_CHECK(cudaStreamSynchronize(main_st));
+        cuda::HcFinishArgs mix;
+        mix.T = T, mix.D = D, mix.work = dwork.get(), mix.have_mix = true, mix.base = dbase.as<float>();
+        mix.scale = dscale.as<float>(), mix.norm_eps = 1e-20f;
+        mix.pre = dpre.as<float>(), mix.post = dpost.as<float>(), mix.comb = dcomb.as<float>();
+        cuda::HcPassArgs p2;  // expand with the mix's post / comb, mix partials again, collapse with its pre
+        p2.T = T, p2.D = D, p2.X = dX.get(), p2.y = dy.get(), p2.post = dpost.as<float>(), p2.comb = dcomb.as<float>();
+        p2.fn = dfn.as<float>(), p2.pre = dpre.as<float>(), p2.collapsed = dcol.get(), p2.work = dwork.get();
+        if (run == 0) {
+          cuda::hc_finish(act, mix, main_st);
+          cuda::hc_pass(act, p2, main_st);
+        } else {
+          DSX_CUDA_CHECK(cudaLaunchHostFunc(side_st, sleep_host, nullptr));
+          mix.signal = slot.as<unsigned>();
+          cuda::hc_finish(act, mix, side_st);
+          p2.wait_signal = slot.as<unsigned>();
+          cuda::hc_pass(act, p2, main_st);
+        }
+        DSX_CUDA_CHECK(cudaStreamSynchronize(main_st));
+        DSX_CUDA_CHECK(cudaStreamSynchronize(side_st));
+        std::vector<float> gX = download_act(dX, static_cast<size_t>(T * F), act);
+        std::vector<float> gcol = download_act(dcol, static_cast<size_t>(T * D), act);
+        for (float v : gcol) ASSERT_TRUE(std::isfinite(v)) << "run " << run << ": the pass read the mix before it was written";
+        if (run == 0) {
+          ref_X = gX, ref_col = gcol;
+        } else {
+          EXPECT_EQ(count_bit_diff(gX, ref_X), 0u) << "expand, run " << run;
+          EXPECT_EQ(count_bit_diff(gcol, ref_col), 0u) << "collapse, run " << run;
+          EXPECT_EQ(download_vec<uint32_t>(slot, 2), (std::vector<uint32_t>{0, 0})) << "slot at rest, run " << run;
+        }
+      }
+    }
+  cudaStreamDestroy(main_st);
+  cudaStreamDestroy(side_st);
 }
 
 // ------------------------------------------------------------------------------------------

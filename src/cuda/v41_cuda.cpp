@@ -95,6 +95,13 @@ bool engram_overlap_enabled() {
 }
 
 // DSX_ATTN_MMA=0: CUDA-core attention in BF16 mode
+// DSX_SIGNALS=0: the session stream waits for the Sinkhorn branch by a graph edge (event
+// join) before the next hc pass instead of the pass waiting for its signal in the kernel
+bool signals_enabled() {
+  static const bool v = env_int("DSX_SIGNALS", 1) != 0;
+  return v;
+}
+
 bool attn_mma_enabled() {
   static const bool v = env_int("DSX_ATTN_MMA", 1) != 0;
   return v;
@@ -632,8 +639,17 @@ class CudaSession : public Session {
   // computed on a side stream while the main stream normalises and goes on
   cudaStream_t side_hc_ = nullptr;
   cudaEvent_t ev_hc_fork_ = nullptr, ev_hc_join_ = nullptr;
-  bool hc_pending_ = false;
-  void hc_site_finish(const HcFinishArgs& fz, bool branch);
+  // The Sinkhorn branch is joined by a signal (signal_device.cuh: the mix kernel signals
+  // sig_hc_, the next hc pass waits for it in the kernel, keeping its programmatic early
+  // launch) where that pass runs in the same forward pass, else by an event. Every side
+  // stream joins the session stream at the end of a forward pass (join_sides).
+  unsigned* sig_hc_ = nullptr;  // one signal slot (two words, zero at rest)
+  enum class HcPending { none, event, signal };
+  HcPending hc_pending_ = HcPending::none;
+  cudaEvent_t ev_end_[4] = {nullptr, nullptr, nullptr, nullptr};
+  unsigned side_used_ = 0;  // side streams forked since the last join_sides (bit i: side_[i], bit 3: side_hc_)
+  void join_sides();
+  void hc_site_finish(const HcFinishArgs& fz, bool branch, bool consumer_here);
   void hc_site_pass(const HcPassArgs& p);
   // Decode runs independent chains concurrently on side streams (graph branches);
   // prefill and profiling keep one stream.
@@ -712,6 +728,7 @@ CudaSession::CudaSession(const DeviceModel& m, const EngineOptions& o)
   for (auto& sd : side_) DSX_CUDA_CHECK(cudaStreamCreateWithPriority(&sd, cudaStreamNonBlocking, side_prio));
   DSX_CUDA_CHECK(cudaEventCreateWithFlags(&ev_fork_, cudaEventDisableTiming));
   for (auto& e : ev_join_) DSX_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  for (auto& e : ev_end_) DSX_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   DSX_CUDA_CHECK(cudaStreamCreateWithPriority(&side_hc_, cudaStreamNonBlocking, side_prio));
   DSX_CUDA_CHECK(cudaEventCreateWithFlags(&ev_hc_fork_, cudaEventDisableTiming));
   DSX_CUDA_CHECK(cudaEventCreateWithFlags(&ev_hc_join_, cudaEventDisableTiming));
@@ -787,6 +804,7 @@ CudaSession::CudaSession(const DeviceModel& m, const EngineOptions& o)
     f_ = take(T * D * ab_);
     y_ = take(T * D * ab_);
     h_ = take(T * D * ab_);
+    sig_hc_ = static_cast<unsigned*>(take(64));
     pre0_ = static_cast<float*>(take(T * M * 4));
     pa_ = static_cast<float*>(take(T * M * 4));
     qa_ = static_cast<float*>(take(T * M * 4));
@@ -843,6 +861,7 @@ CudaSession::CudaSession(const DeviceModel& m, const EngineOptions& o)
   h_ids_.resize(static_cast<size_t>(T));
   h_logits_.resize(static_cast<size_t>(V));
   h_pick_.resize(1);
+  DSX_CUDA_CHECK(cudaMemset(sig_hc_, 0, 64));  // (signal slots are zero at rest)
   if (nl > 0) {
     std::vector<int64_t> iota(static_cast<size_t>(T * nc));
     for (size_t i = 0; i < iota.size(); ++i) iota[i] = static_cast<int64_t>(i);
@@ -871,6 +890,8 @@ CudaSession::~CudaSession() {
   if (ev_hc_join_) cudaEventDestroy(ev_hc_join_);
   if (side_hc_) cudaStreamDestroy(side_hc_);
   for (auto& e : ev_join_)
+    if (e) cudaEventDestroy(e);
+  for (auto& e : ev_end_)
     if (e) cudaEventDestroy(e);
   if (stream_) cudaStreamDestroy(stream_);
 }
@@ -950,31 +971,50 @@ void CudaSession::stage_engram(const int32_t* ids, int T, cudaStream_t st) {
 
 // Site transition, second half: the RMSNorm of the collapsed row on the session stream
 // and, in decode, the hc_mix coefficients (Sinkhorn) on side_hc_, joined before the
-// next pass (hc_site_pass), the first reader of pre / post / comb.
-void CudaSession::hc_site_finish(const HcFinishArgs& fz, bool branch) {
+// next pass (hc_site_pass), the first reader of pre / post / comb: by the signal when
+// that pass is in this forward pass (consumer_here), else by an event.
+void CudaSession::hc_site_finish(const HcFinishArgs& fz, bool branch, bool consumer_here) {
   if (!branch || !fz.have_mix || !fz.norm_out) {
     hc_finish(act_, fz, stream_);
     return;
   }
   DSX_CUDA_CHECK(cudaEventRecord(ev_hc_fork_, stream_));
   DSX_CUDA_CHECK(cudaStreamWaitEvent(side_hc_, ev_hc_fork_, 0));
+  side_used_ |= 8;
   HcFinishArgs mix = fz;
   mix.collapsed = nullptr, mix.norm_w = nullptr, mix.norm_out = nullptr, mix.q_codes = nullptr, mix.q_scales = nullptr;
   mix.staged = nullptr;
+  const bool sig = consumer_here && signals_enabled();
+  mix.signal = sig ? sig_hc_ : nullptr;
   hc_finish(act_, mix, side_hc_);
-  DSX_CUDA_CHECK(cudaEventRecord(ev_hc_join_, side_hc_));
-  hc_pending_ = true;
+  if (sig) {
+    hc_pending_ = HcPending::signal;
+  } else {
+    DSX_CUDA_CHECK(cudaEventRecord(ev_hc_join_, side_hc_));
+    hc_pending_ = HcPending::event;
+  }
   HcFinishArgs norm = fz;
   norm.have_mix = false;
   hc_finish(act_, norm, stream_);
 }
 
-void CudaSession::hc_site_pass(const HcPassArgs& p) {
-  if (hc_pending_) {
-    DSX_CUDA_CHECK(cudaStreamWaitEvent(stream_, ev_hc_join_, 0));
-    hc_pending_ = false;
+void CudaSession::join_sides() {
+  cudaStream_t all[4] = {side_[0], side_[1], side_[2], side_hc_};
+  for (int i = 0; i < 4; ++i) {
+    if (!(side_used_ >> i & 1)) continue;
+    DSX_CUDA_CHECK(cudaEventRecord(ev_end_[i], all[i]));
+    DSX_CUDA_CHECK(cudaStreamWaitEvent(stream_, ev_end_[i], 0));
   }
-  hc_pass(act_, p, stream_);
+  hc_pending_ = HcPending::none;
+  side_used_ = 0;
+}
+
+void CudaSession::hc_site_pass(const HcPassArgs& p) {
+  HcPassArgs a = p;
+  if (hc_pending_ == HcPending::event) DSX_CUDA_CHECK(cudaStreamWaitEvent(stream_, ev_hc_join_, 0));
+  if (hc_pending_ == HcPending::signal) a.wait_signal = sig_hc_;
+  hc_pending_ = HcPending::none;
+  hc_pass(act_, a, stream_);
 }
 
 void CudaSession::forward(int T, bool all_rows, int l0, int l1) {
@@ -982,6 +1022,8 @@ void CudaSession::forward(int T, bool all_rows, int l0, int l1) {
   if (l1 < 0) l1 = c_.n_layers;
   prof_.set_active(T);
   prof_.mark("start", stream_);
+  hc_pending_ = HcPending::none;  // (the previous pass joined its side streams at its end)
+  side_used_ = 0;
   if (l0 == 0) {
     embed_streams(act_, reinterpret_cast<const uint16_t*>(m_.embed.data), d_ids_, T, static_cast<int>(M), D, X_, stream_);
     onehot_pre(pre0_, T, static_cast<int>(M), stream_);
@@ -1029,7 +1071,7 @@ void CudaSession::forward(int T, bool all_rows, int l0, int l1) {
       fz.norm_eps = c_.rms_eps, fz.hc_eps = c_.hc_eps, fz.sinkhorn_iters = c_.hc_sinkhorn_iters;
       fz.pre = pa_, fz.post = qa_, fz.comb = Ca_;
       fz.collapsed = a_, fz.norm_w = L.attn_norm, fz.norm_out = a_, fz.staged = staged_x(xst_attn_, T);
-      hc_site_finish(fz, hc_branch);
+      hc_site_finish(fz, hc_branch, true);
       prof_.mark("hc", stream_);
     }
     attention(l, T);  // writes y_
@@ -1044,18 +1086,16 @@ void CudaSession::forward(int T, bool all_rows, int l0, int l1) {
       fz.norm_eps = c_.rms_eps, fz.hc_eps = c_.hc_eps, fz.sinkhorn_iters = c_.hc_sinkhorn_iters;
       fz.pre = pf_, fz.post = qf_, fz.comb = Cf_;
       fz.collapsed = f_, fz.norm_w = L.ffn_norm, fz.norm_out = f_, fz.staged = staged_x(xst_ffn_, T);
-      hc_site_finish(fz, hc_branch);
+      // (the last layer of a partial pass: the next pass runs that site's pass)
+      hc_site_finish(fz, hc_branch, l + 1 < l1 || l1 == c_.n_layers);
       prof_.mark("hc", stream_);
     }
     moe(l, T);  // writes y_
     pend_y = y_, pend_post = qf_, pend_comb = Cf_;
     pre = pf_;
   }
-  if (l1 < c_.n_layers) {  // (a part of the step: the side stream joins before it ends)
-    if (hc_pending_) {
-      DSX_CUDA_CHECK(cudaStreamWaitEvent(stream_, ev_hc_join_, 0));
-      hc_pending_ = false;
-    }
+  if (l1 < c_.n_layers) {  // (a part of the step: the side streams join before it ends)
+    join_sides();
     return;
   }
   // §3.6 final fold, norm, head
@@ -1078,6 +1118,7 @@ void CudaSession::forward(int T, bool all_rows, int l0, int l1) {
         nullptr, nullptr, nullptr, pick_in_head_ ? d_ids_ : nullptr, pick_in_head_ ? h_pick_.data() : nullptr);
   }
   advance_pos(cache_.d_pos(), T, stream_);
+  join_sides();
   prof_.mark("head", stream_);
   prof_.collect();
 }
@@ -1102,6 +1143,7 @@ void CudaSession::attention(int l, int T) {
   if (branch) {
     DSX_CUDA_CHECK(cudaEventRecord(ev_fork_, stream_));
     for (int i = 0; i < (idx_w ? 3 : 2); ++i) DSX_CUDA_CHECK(cudaStreamWaitEvent(side_[i], ev_fork_, 0));
+    side_used_ |= idx_w ? 7 : 3;
   }
   if (idx_w) {
     lin(L.idx_weights_proj, a_, D, T, act_, idx_w_, c_.index_n_heads, false, 1, s_iw);

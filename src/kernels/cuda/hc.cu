@@ -7,6 +7,7 @@
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/elementwise_dev.cuh"
 #include "kernels/cuda/pdl_device.cuh"
+#include "kernels/cuda/signal_device.cuh"
 #include "kernels/cuda/gemv.h"         // staged_act_words
 #include "kernels/cuda/gemv_device.cuh"  // stage_block_lanes
 #include "kernels/cuda/gemv_launch.h"  // pdl_enabled
@@ -48,6 +49,7 @@ struct PassParams {
   void* collapsed;
   float* wz;
   double* wss;
+  unsigned* sig;  // HcPassArgs::wait_signal
 };
 
 // Narrow pass (T < kWideT, decode): block (chunk of 32 columns, token t); warp g holds
@@ -69,6 +71,8 @@ __global__ void __launch_bounds__(32 * kNarrowWarps) hc_pass_narrow_kernel(const
 #pragma unroll
       for (int m = 0; m < kM; ++m) ph[o][m] = f[o * F + m * D];
   }
+  // post / comb / pre from a kernel on another stream (its mix blocks signal, one per token)
+  if (p.sig) signal_wait_block(p.sig, static_cast<unsigned>(p.T));
   // (dependents launch early: this kernel reads no weights after the wait and they
   // wait for all of it; their weights may stream meanwhile)
   pdl_launch_dependents();
@@ -285,6 +289,7 @@ struct FinishParams {
   uint8_t* qc;
   float* qs;
   uint32_t* staged;  // T = 1 (HcFinishArgs::staged)
+  unsigned* signal;  // HcFinishArgs::signal (mix block)
 };
 
 // grid (mix_blocks + D / 128, T). Block 0 (with the mix): the 24 z sums (8 per warp on
@@ -357,6 +362,7 @@ __global__ void __launch_bounds__(kFinishThreads) hc_finish_kernel(const FinishP
       }
       if (lane < kM * kM) p.comb_out[t * kM * kM + lane] = c;
     }
+    if (p.signal) signal_block(p.signal);
     return;
   }
   // RMSNorm block
@@ -445,6 +451,8 @@ void hc_pass(Act act, const HcPassArgs& a, cudaStream_t stream) {
   p.collapsed = a.collapsed;
   p.wz = static_cast<float*>(a.work);
   p.wss = reinterpret_cast<double*>(static_cast<char*>(a.work) + z_bytes(a.T, p.ns));
+  DSX_CHECK(!a.wait_signal || a.T < kWideT, "hc_pass: a signal wait is for the narrow (decode) pass");
+  p.sig = a.wait_signal;
   const bool pdl = pdl_enabled();
   DSX_DISPATCH_ACT(act, T, {
     if (a.T < kWideT) {
@@ -485,6 +493,8 @@ void hc_finish(Act act, const HcFinishArgs& a, cudaStream_t stream) {
   p.qs = a.q_scales;
   DSX_CHECK(!a.staged || (a.T == 1 && a.norm_out), "hc_finish: staged activations are for one token with the norm");
   p.staged = a.staged;
+  DSX_CHECK(!a.signal || (a.have_mix && !a.norm_out), "hc_finish: a signal is for a mix-only launch");
+  p.signal = a.signal;
   const int blocks = p.mix_blocks + (a.norm_out ? static_cast<int>(a.D / kFinishThreads) : 0);
   if (blocks == 0) return;
   DSX_DISPATCH_ACT(act, T,

@@ -74,6 +74,10 @@ struct HcPassArgs {
   const float* pre = nullptr;      // [T, 4] collapse weights, null = no collapse
   void* collapsed = nullptr;       // [T, D] act
   void* work = nullptr;            // hc_work_bytes(T, D)
+  // optional (decode, T < 32): a signal slot (signal_device.cuh) set by the hc_finish on
+  // another stream that computes post / comb / pre (HcFinishArgs::signal); every block
+  // waits for it before touching anything that kernel reads or writes
+  unsigned* wait_signal = nullptr;
 };
 void hc_pass(Act act, const HcPassArgs& a, cudaStream_t stream);
 
@@ -101,6 +105,9 @@ struct HcFinishArgs {
   // (GemvOpts::staged, moe_decode's x_staged): the FP8 B order, then the MXFP4 B order,
   // staged_act_words(D) words each (gemv.h)
   uint32_t* staged = nullptr;
+  // optional, mix only (no norm): each token's mix block signals once its pre / post /
+  // comb are written (T signals; the next hc_pass's HcPassArgs::wait_signal)
+  unsigned* signal = nullptr;
 };
 void hc_finish(Act act, const HcFinishArgs& a, cudaStream_t stream);
 
