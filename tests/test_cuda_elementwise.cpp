@@ -579,6 +579,7 @@ TEST(CudaHc, SignalJoinsTheMixAcrossStreams) {
           mix.signal = slot.as<unsigned>();
           cuda::hc_finish(act, mix, side_st);
           p2.wait_signal = slot.as<unsigned>();
+          p2.inputs_ready = true;  // (X: complete; post / comb / pre: behind the signal)
           cuda::hc_pass(act, p2, main_st);
         }
         DSX_CUDA_CHECK(cudaStreamSynchronize(main_st));

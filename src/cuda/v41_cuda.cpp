@@ -1011,6 +1011,9 @@ void CudaSession::join_sides() {
 
 void CudaSession::hc_site_pass(const HcPassArgs& p) {
   HcPassArgs a = p;
+  // (an expand follows the sublayer's last kernel: attention() ends with wo_b, moe() with
+  // the MoE down projection, or the pass is the first launch of a graph)
+  a.inputs_ready = p.y != nullptr;
   if (hc_pending_ == HcPending::event) DSX_CUDA_CHECK(cudaStreamWaitEvent(stream_, ev_hc_join_, 0));
   if (hc_pending_ == HcPending::signal) a.wait_signal = sig_hc_;
   hc_pending_ = HcPending::none;

@@ -50,6 +50,7 @@ struct PassParams {
   float* wz;
   double* wss;
   unsigned* sig;  // HcPassArgs::wait_signal
+  bool inputs_ready;  // HcPassArgs::inputs_ready
 };
 
 // Narrow pass (T < kWideT, decode): block (chunk of 32 columns, token t); warp g holds
@@ -73,30 +74,40 @@ __global__ void __launch_bounds__(32 * kNarrowWarps) hc_pass_narrow_kernel(const
   }
   // post / comb / pre from a kernel on another stream (its mix blocks signal, one per token)
   if (p.sig) signal_wait_block(p.sig, static_cast<unsigned>(p.T));
+  T* Xt = static_cast<T*>(p.X) + static_cast<int64_t>(t) * F;
+  float x[kM], pr[kM], cm[kM * kM], pm[kM];
+  auto load_state = [&]() {
+#pragma unroll
+    for (int m = 0; m < kM; ++m) x[m] = ld(Xt, m * D + d);
+    if (p.pre) {
+#pragma unroll
+      for (int m = 0; m < kM; ++m) pr[m] = p.pre[t * kM + m];
+    }
+    if (p.y) {
+#pragma unroll
+      for (int i = 0; i < kM * kM; ++i) cm[i] = p.comb[t * kM * kM + i];
+#pragma unroll
+      for (int m = 0; m < kM; ++m) pm[m] = p.post[t * kM + m];
+    }
+  };
+  // (HcPassArgs::inputs_ready: X, post, comb and pre are complete; only y is the
+  // previous kernel's, so the rest loads before the wait)
+  const bool early = p.inputs_ready && p.y;
+  if (early) load_state();
   // (dependents launch early: this kernel reads no weights after the wait and they
   // wait for all of it; their weights may stream meanwhile)
   pdl_launch_dependents();
-  pdl_wait();  // X, y, post, comb, pre come from the previous kernels
-
-  T* Xt = static_cast<T*>(p.X) + static_cast<int64_t>(t) * F;
-  float x[kM], pr[kM];
-#pragma unroll
-  for (int m = 0; m < kM; ++m) x[m] = ld(Xt, m * D + d);
-  if (p.pre) {  // loaded with X: the compiler may not move it above the stores to X
-#pragma unroll
-    for (int m = 0; m < kM; ++m) pr[m] = p.pre[t * kM + m];
-  }
+  pdl_wait();  // y, and unless early X, post, comb, pre, come from the previous kernels
+  if (!early) load_state();
   if (p.y) {
-    const float* __restrict__ C = p.comb + t * kM * kM;
-    const float* __restrict__ P = p.post + t * kM;
     const float yv = ld(static_cast<const T*>(p.y), static_cast<int64_t>(t) * D + d);
     float nx[kM];
 #pragma unroll
     for (int k = 0; k < kM; ++k) {
       float mixed = 0.0f;
 #pragma unroll
-      for (int j = 0; j < kM; ++j) mixed = fmaf(C[j * kM + k], x[j], mixed);
-      nx[k] = rnd<T>(fmaf(P[k], yv, mixed));
+      for (int j = 0; j < kM; ++j) mixed = fmaf(cm[j * kM + k], x[j], mixed);
+      nx[k] = rnd<T>(fmaf(pm[k], yv, mixed));
     }
     // every warp has read (and used) its X values before warp 0 overwrites them
     if (blockDim.x > 32) __syncthreads();
@@ -453,6 +464,7 @@ void hc_pass(Act act, const HcPassArgs& a, cudaStream_t stream) {
   p.wss = reinterpret_cast<double*>(static_cast<char*>(a.work) + z_bytes(a.T, p.ns));
   DSX_CHECK(!a.wait_signal || a.T < kWideT, "hc_pass: a signal wait is for the narrow (decode) pass");
   p.sig = a.wait_signal;
+  p.inputs_ready = a.inputs_ready;
   const bool pdl = pdl_enabled();
   DSX_DISPATCH_ACT(act, T, {
     if (a.T < kWideT) {

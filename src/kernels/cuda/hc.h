@@ -34,7 +34,9 @@
 // Both kernels use programmatic dependent launch (unless DSX_PDL=0): Φ, β, α and the
 // norm weights are read before griddepcontrol.wait, everything a previous kernel wrote
 // (X, y, post, comb, pre, the partials, the collapsed row) and every global write come
-// after it, and the dependents are released right after the wait. The partials are
+// after it, and the dependents are released right after the wait. Exception: a decode
+// pass with an expand and HcPassArgs::inputs_ready reads X, post, comb and pre before
+// its wait too (see there). The partials are
 // stored [T][24][ns] f32 and [T][2][ns] f64 in `work`, every value written by exactly
 // one block: results are deterministic (no atomics).
 //
@@ -78,6 +80,13 @@ struct HcPassArgs {
   // another stream that computes post / comb / pre (HcFinishArgs::signal); every block
   // waits for it before touching anything that kernel reads or writes
   unsigned* wait_signal = nullptr;
+  // T < 32 with an expand: X, post, comb and pre are complete when this grid launches,
+  // so they are loaded before its grid-dependency wait (only y is the previous kernel's).
+  // True when the previous kernel is the sublayer's last weight kernel, which writes
+  // only y and releases its dependents after its own wait (or is launched without
+  // programmatic dependent launch), and the mix is joined (wait_signal, an event, or
+  // computed on this stream before that kernel).
+  bool inputs_ready = false;
 };
 void hc_pass(Act act, const HcPassArgs& a, cudaStream_t stream);
 

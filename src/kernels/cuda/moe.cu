@@ -685,6 +685,15 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_ring_t1_kernel(const UpMma
   };
   auto st = make_stream<U>(ring, lane, p.NB, my_units, piece_at);
   if (early) st.start();
+  // The staged activations come from the kernel before the router, which releases this
+  // grid only after its own wait (or is no programmatic launch): complete, so they
+  // are copied before the wait ([FP8 order | MXFP4 order], staged_act_words each, is
+  // the layout of bs8 .. sas4)
+  if (p.xst) {
+    const int64_t w = staged_act_words(p.D);
+    if (any_sh) dev::copy_to_smem(bs8, p.xst, w);
+    if (any_rt) dev::copy_to_smem(bs4, p.xst + w, w);
+  }
   dev::pdl_wait();  // ids / wts / x come from the previous kernels
   if (threadIdx.x < p.topk) {
     const int e = p.ids[threadIdx.x];
@@ -697,10 +706,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_ring_t1_kernel(const UpMma
   __syncthreads();
   if (!early) st.start();
   for (int i = threadIdx.x; i < p.max_units; i += blockDim.x) ucnt[i] = 0;
-  if (p.xst) {  // [FP8 order | MXFP4 order] (staged_act_words each) is the layout of bs8 .. sas4
-    const int64_t w = staged_act_words(p.D);
-    if (any_sh) dev::copy_to_smem(bs8, p.xst, w);
-    if (any_rt) dev::copy_to_smem(bs4, p.xst + w, w);
+  if (p.xst) {  // (copied above)
   } else if (any_sh) {  // (with the MXFP4 order too when the block also meets routed units)
     dev::StageAlso mx;
     mx.bs = bs4;

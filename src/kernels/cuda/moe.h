@@ -51,6 +51,9 @@ size_t moe_decode_ws_bytes(const MoeLayer& m, int T, int topk);
 // x_staged (optional, T = 1): QA8 of x (32-element blocks) staged by its producer in the
 // FP8 B order, then the MXFP4 B order (hc_finish's `staged`, staged_act_words(D) words
 // each); the one-token kernels copy it instead of quantizing x. It must be QA8 of exactly x.
+// It is read before the up kernel's grid-dependency wait, so it must be complete when the
+// launch before moe_decode (the router, which releases its dependents only after its own
+// wait) lets it start: its producer must not be that launch.
 void moe_decode(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int T, int topk, const int32_t* ids,
                 const float* weights, DType yt, void* y, int64_t ldy, void* ws, size_t ws_bytes,
                 cudaStream_t stream, const uint32_t* x_staged = nullptr);
