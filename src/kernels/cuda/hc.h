@@ -34,11 +34,11 @@
 // Both kernels use programmatic dependent launch (unless DSX_PDL=0): Φ, β, α and the
 // norm weights are read before griddepcontrol.wait, everything a previous kernel wrote
 // (X, y, post, comb, pre, the partials, the collapsed row) and every global write come
-// after it, and the dependents are released right after the wait. Exception: a decode
-// pass with an expand and HcPassArgs::inputs_ready reads X, post, comb and pre before
-// its wait too (see there). The partials are
-// stored [T][24][ns] f32 and [T][2][ns] f64 in `work`, every value written by exactly
-// one block: results are deterministic (no atomics).
+// after it; the dependents are released before the wait (they wait for all of this
+// kernel in their own). Exception: a decode pass with an expand and
+// HcPassArgs::inputs_ready reads X, post, comb and pre before its wait too (see there).
+// The partials are stored [T][24][ns] f32 and [T][2][ns] f64 in `work`, every value
+// written by exactly one block: results are deterministic (no atomics).
 //
 // Arithmetic follows V41Cpu: expand = fma chains in stream order, collapse = fma chain,
 // Σx² in double. Differences from the CPU are reduction order only (and z is scaled by ν
