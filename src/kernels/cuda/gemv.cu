@@ -296,6 +296,11 @@ __global__ void __launch_bounds__(kThreads, R ? 1 : 2) gemv_mma_kernel(const Mma
     }
   }
 
+  if (p.norm_w) {  // the input norm's weights into L2 (read by the staging after the wait)
+    const int lines = (p.NB * 32 * 4 + 127) / 128;
+    for (int i = threadIdx.x; i < lines; i += blockDim.x)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(p.norm_w) + i * 128));
+  }
   dev::pdl_wait();
   if (p.staged) {  // (T = 1, one group: try_launch_mma) bs then sas, as staged by the producer
     dev::copy_to_smem(bs, p.staged, static_cast<int64_t>(p.NB) * 17);

@@ -57,9 +57,10 @@ __global__ void __launch_bounds__(kThreads) indexer_scores_kernel(
   const int t = blockIdx.y;
   pdl_launch_dependents();  // (the top-k launches meanwhile and waits for all of this kernel)
   // Before the wait: the position (advanced by the previous step), the candidate blocks
-  // (an earlier layer's top-k) and the keys (the compressor, on a side branch joined before
-  // this kernel) do not come from the previous kernel; this block's key rows are prefetched
-  // into L2 meanwhile. q comes from the previous kernel (the queries' RoPE).
+  // (an earlier layer's top-k), the head weights and the keys (the indexer weights and the
+  // compressor, on side branches joined before this kernel) do not come from the previous
+  // kernel; this block's key rows are prefetched into L2 meanwhile. q comes from the
+  // previous kernel (the queries' RoPE).
   const int64_t p0 = *d_pos;
   const int64_t n_vis = (p0 + t + 1) / r;
   const bool cand = cand_blocks != nullptr;
@@ -76,15 +77,17 @@ __global__ void __launch_bounds__(kThreads) indexer_scores_kernel(
       if ((j & 31) == 0 || i == 0) asm volatile("prefetch.global.L2 [%0];" ::"l"(ks + j * (hd / 32)));
     }
   }
+  // the head weights too: the indexer weights' branch is joined before this launch (or
+  // ran on this stream before the last weight kernel)
+  for (int h = threadIdx.x; h < H; h += kThreads) {
+    const float wv = ld(w, static_cast<int64_t>(t) * H + h);
+    w_s[h] = kBf16 ? round_bf16_dev(wv * weight_factor) : wv * heads_scale;
+  }
   pdl_wait();
 
   float* q_s = reinterpret_cast<float*>(q_s4);
   const float4* qt = reinterpret_cast<const float4*>(q + static_cast<int64_t>(t) * H * hd);  // H hd % 4 == 0
   for (int i = threadIdx.x; i < H * hd / 4; i += kThreads) q_s4[i] = qt[i];
-  for (int h = threadIdx.x; h < H; h += kThreads) {
-    const float wv = ld(w, static_cast<int64_t>(t) * H + h);
-    w_s[h] = kBf16 ? round_bf16_dev(wv * weight_factor) : wv * heads_scale;
-  }
   __syncthreads();
 
   // this thread: head group g (heads g HG ..), row slot rs

@@ -274,6 +274,7 @@ struct UpMmaParams {
   uint32_t* hst;
   float* hq;
   const uint32_t* xst;  // one-token ring kernel: x staged by its producer (moe_decode's x_staged) or null
+  int E;                // experts (the pointer tables' length)
 };
 
 template <int P>
@@ -694,6 +695,16 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_ring_t1_kernel(const UpMma
     if (any_sh) dev::copy_to_smem(bs8, p.xst, w);
     if (any_rt) dev::copy_to_smem(bs4, p.xst + w, w);
   }
+  // the expert pointer tables into L2 (read right after the wait with the router's ids,
+  // a dependent load before the routed weights can stream): one 128-byte line a thread
+  if (any_rt) {
+    const int lines = (p.E * 8 + 127) / 128;
+    if (static_cast<int>(threadIdx.x) < 4 * lines) {
+      const int ti = threadIdx.x / lines, li = threadIdx.x - ti * lines;
+      const uint8_t* const* tbl = ti == 0 ? p.w1 : ti == 1 ? p.w1s : ti == 2 ? p.w3 : p.w3s;
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(tbl) + li * 128));
+    }
+  }
   dev::pdl_wait();  // ids / wts / x come from the previous kernels
   if (threadIdx.x < p.topk) {
     const int e = p.ids[threadIdx.x];
@@ -1023,6 +1034,7 @@ bool moe_decode_mma(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int
   up.n_sblocks = has_shared ? NTI : 0;
   up.hst = reinterpret_cast<uint32_t*>(base + L.hst);
   up.xst = T == 1 ? x_staged : nullptr;
+  up.E = m.n_experts;
   up.hq = hq;
   const int n_up = up.n_sblocks + T * topk * NTI;
   const size_t tok_bytes = static_cast<size_t>(NB) * (64 + 4);
