@@ -556,7 +556,7 @@ TEST(CudaHc, SignalJoinsTheMixAcrossStreams) {
       std::vector<float> ref_X, ref_col;
       for (int run = 0; run < 3; ++run) {
         DeviceBuffer dX = upload_act(X, act), dcol(static_cast<size_t>(T * D) * cuda::act_bytes(act)),
-            dcol2(static_cast<size_t>(T * D) * cuda::act_bytes(act)), dwork(cuda::hc_work_bytes(T, D));
+            dwork(cuda::hc_work_bytes(T, D));
         DeviceBuffer dpre(static_cast<size_t>(T) * 16), dpost(static_cast<size_t>(T) * 16), dcomb(static_cast<size_t>(T) * 64);
         for (DeviceBuffer* b : {&dpre, &dpost, &dcomb}) DSX_CUDA_CHECK(cudaMemset(b->get(), 0xff, b->size()));  // NaN
         DSX_CUDA_CHECK(cudaDeviceSynchronize());  // (the memsets ran on the legacy stream)

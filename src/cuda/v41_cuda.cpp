@@ -94,7 +94,6 @@ bool engram_overlap_enabled() {
   return v;
 }
 
-// DSX_ATTN_MMA=0: CUDA-core attention in BF16 mode
 // DSX_SIGNALS=0: the session stream waits for the Sinkhorn branch by a graph edge (event
 // join) before the next hc pass instead of the pass waiting for its signal in the kernel
 bool signals_enabled() {
@@ -102,6 +101,7 @@ bool signals_enabled() {
   return v;
 }
 
+// DSX_ATTN_MMA=0: CUDA-core attention in BF16 mode
 bool attn_mma_enabled() {
   static const bool v = env_int("DSX_ATTN_MMA", 1) != 0;
   return v;
@@ -630,8 +630,9 @@ class CudaSession : public Session {
   size_t gemm_ws_bytes_ = 0;
   float* gemv_ws_ = nullptr;
   size_t gemv_ws_bytes_ = 0;
-  // decode: two side streams for the independent chains of the attention
-  // (2: the indexer weights of index layers; join 3: side 1's projection store)
+  // decode: side streams for the independent chains of the attention (0: window KV,
+  // 1: compressor, 2: the indexer weights of index layers; join 3: side 1's projection
+  // store)
   cudaStream_t side_[3] = {nullptr, nullptr, nullptr};
   float* side_ws_[3] = {nullptr, nullptr, nullptr};
   cudaEvent_t ev_fork_ = nullptr, ev_join_[4] = {nullptr, nullptr, nullptr, nullptr};
@@ -1134,10 +1135,11 @@ void CudaSession::attention(int l, int T) {
   const int r = c_.ratio(l);
   const float* inv_freq = r > 0 ? m_.comp_inv_freq : m_.main_inv_freq;
   const int np = c_.rope_dim / 2;
-  // Decode runs three independent chains concurrently (graph branches): the
-  // queries on the session stream, the window KV on side 0, the compressor and
-  // the indexer weights on side 1; they join before the indexer scoring and the
-  // attention. Prefill (and profiling) keeps one stream.
+  // Decode runs independent chains concurrently (graph branches): the queries on the
+  // session stream, the window KV on side 0, the compressor on side 1 and the indexer
+  // weights on side 2; they join before the indexer scoring (compressor row, indexer
+  // weights) and the attention (window KV, projection store). Prefill (and profiling)
+  // keeps one stream.
   const bool branch = branches(T);
   cudaStream_t s_kv = branch ? side_[0] : stream_, s_cmp = branch ? side_[1] : stream_,
                s_iw = branch ? side_[2] : stream_;

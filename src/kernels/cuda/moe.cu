@@ -717,8 +717,8 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_ring_t1_kernel(const UpMma
   __syncthreads();
   if (!early) st.start();
   for (int i = threadIdx.x; i < p.max_units; i += blockDim.x) ucnt[i] = 0;
-  if (p.xst) {  // (copied above)
-  } else if (any_sh) {  // (with the MXFP4 order too when the block also meets routed units)
+  // without a staged x (copied before the wait), the block quantizes x itself
+  if (!p.xst && any_sh) {  // (with the MXFP4 order too when the block also meets routed units)
     dev::StageAlso mx;
     mx.bs = bs4;
     mx.sas = sas4;
@@ -726,7 +726,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_ring_t1_kernel(const UpMma
     dev::stage_b_mma<WFormat::FP8_BLOCK, true>(bs8, sas8, p.NB, 1, p.NB, p.x, p.xt, p.ldx, 0,
                                                dev::fp8_mma_prescale<true>(), nullptr, 0, nullptr,
                                                any_rt ? &mx : nullptr);
-  } else if (any_rt) {
+  } else if (!p.xst && any_rt) {
     dev::stage_b_mma<WFormat::MXFP4, false>(bs4, sas4, p.NB, 1, p.NB, p.x, p.xt, p.ldx, 0, dev::kMx4MmaPrescale);
   }
   __syncthreads();

@@ -7,16 +7,22 @@
 
 namespace dsx::cuda::dev {
 
+// The device's global timer (ns; coarse steps): trace records, signal wait timeouts.
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
 #if defined(DSX_KERNEL_TRACE)
 // Kernel timeline (trace_enable in cuda_util.h): one ring per translation unit's symbols,
 // all pointing to the same device buffer.
 static __constant__ TraceRec* g_trace_buf;
 static __constant__ unsigned* g_trace_n;
 
-__device__ __forceinline__ unsigned long long global_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
+__device__ __forceinline__ void trace_put(const TraceRec& r) {
+  const unsigned i = atomicAdd(g_trace_n, 1u) & (kTraceCap - 1);
+  g_trace_buf[i] = r;
 }
 #endif
 
@@ -29,10 +35,7 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #if defined(DSX_KERNEL_TRACE)
-  if (rec) {
-    const unsigned i = atomicAdd(g_trace_n, 1u) & (kTraceCap - 1);
-    g_trace_buf[i] = TraceRec{t0, global_ns(), gridDim.x | (gridDim.y << 16), blockDim.x};
-  }
+  if (rec) trace_put(TraceRec{t0, global_ns(), gridDim.x | (gridDim.y << 16), blockDim.x});
 #endif
 #endif
 }
@@ -43,8 +46,7 @@ __device__ __forceinline__ void trace_mark([[maybe_unused]] unsigned tag, [[mayb
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(DSX_KERNEL_TRACE)
   if (g_trace_buf && here && (threadIdx.x | threadIdx.y) == 0) {
     const unsigned long long t = global_ns();
-    const unsigned i = atomicAdd(g_trace_n, 1u) & (kTraceCap - 1);
-    g_trace_buf[i] = TraceRec{t, t, gridDim.x | (gridDim.y << 16), 0x80000000u | tag};
+    trace_put(TraceRec{t, t, gridDim.x | (gridDim.y << 16), 0x80000000u | tag});
   }
 #endif
 }

@@ -23,6 +23,8 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include "kernels/cuda/pdl_device.cuh"  // global_ns
+
 namespace dsx::cuda::dev {
 
 inline constexpr unsigned long long kSignalTimeoutNs = 2000000000ull;  // 2 s
@@ -31,12 +33,6 @@ __device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
   unsigned v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
-}
-
-__device__ __forceinline__ unsigned long long signal_clock_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
 }
 
 // Producer: called by every thread of the block after its last global write of what the
@@ -54,10 +50,10 @@ __device__ __forceinline__ void signal_block(unsigned* slot) {
 __device__ __forceinline__ void signal_wait_block(unsigned* slot, unsigned need) {
   if ((threadIdx.x | threadIdx.y | threadIdx.z) == 0) {
     if (ld_acquire_gpu(slot) < need) {
-      const unsigned long long t0 = signal_clock_ns();
+      const unsigned long long t0 = global_ns();
       while (ld_acquire_gpu(slot) < need) {
         __nanosleep(100);
-        if (signal_clock_ns() - t0 > kSignalTimeoutNs) __trap();
+        if (global_ns() - t0 > kSignalTimeoutNs) __trap();
       }
     }
     __threadfence();
