@@ -124,15 +124,24 @@ inline std::vector<float> download_act(const DeviceBuffer& b, size_t n, Act act)
   return v;
 }
 // A weight matrix (host pointers) copied to the device; q holds the device pointers.
+// tile: FP8 / MXFP4 data of whole 16-row tiles and 64-byte spans goes in the tile layout
+// (qmatrix.h), as the engine uploads it; false keeps it row-major.
 struct DevMatrix {
   DeviceBuffer data, scale;
   dsx::QMatrix q;
 };
-inline DevMatrix upload_matrix(const dsx::QMatrix& h) {
+inline DevMatrix upload_matrix(const dsx::QMatrix& h, bool tile = true) {
   DevMatrix d;
   d.q = h;
+  d.q.tiled = tile && dsx::tile16_fits(h);
   d.data.alloc(static_cast<size_t>(h.data_bytes()));
-  d.data.upload(h.data, d.data.size());
+  if (d.q.tiled) {
+    std::vector<uint8_t> t(d.data.size());
+    dsx::tile16_pack(h.data, h.rows, h.row_bytes(), t.data());
+    d.data.upload(t.data(), t.size());
+  } else {
+    d.data.upload(h.data, d.data.size());
+  }
   d.q.data = d.data.as<uint8_t>();
   d.q.scale = nullptr;
   if (h.scale_bytes() > 0) {

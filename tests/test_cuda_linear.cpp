@@ -43,6 +43,7 @@ namespace twin = dsx::cpu::twin;
 
 namespace {
 
+using dsx_test::count_bit_diff;
 using dsx_test::DevMatrix;
 using dsx_test::download_act;
 using dsx_test::upload_act;
@@ -237,6 +238,56 @@ TEST(CudaGemv, Mxfp4) {
   std::mt19937_64 rng(4);
   const Shape shapes[] = {{64, 256}, {256, 64}, {2304, 5120}, {5120, 2304}, {100, 1024}};
   for (const Shape& s : shapes) run_gemv_cases(WFormat::MXFP4, s.N, s.K, {1, 2, 6, 16}, rng);
+}
+
+// The 16-row tile layout (qmatrix.h, as the engine uploads FP8 / MXFP4 weights) gives
+// bit-identical results to the row-major layout on every GEMV path: the one-token ring
+// kernel, the register kernel of a few tokens, the CUDA-core kernel (f32), grouped wo_a.
+TEST(CudaGemv, TiledLayoutMatchesRowMajor) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(41);
+  struct C {
+    WFormat f;
+    int64_t N, K;
+    int block, groups;
+  } cases[] = {{WFormat::FP8_BLOCK, 1024, 2048, 32, 1}, {WFormat::FP8_BLOCK, 4096, 512, 128, 1},
+               {WFormat::MXFP4, 512, 2048, 32, 1},     {WFormat::FP8_BLOCK, 1024, 512, 32, 4},
+               {WFormat::FP8_BLOCK, 16, 64, 32, 1},     {WFormat::MXFP4, 2304, 5120, 32, 1}};
+  for (const C& c : cases) {
+    const twin::OwnedMatrix W = twin::random_matrix(c.f, c.N, c.K, c.block, rng);
+    const DevMatrix rowm = upload_matrix(W.q, false), tile = upload_matrix(W.q, true);
+    ASSERT_TRUE(tile.q.tiled && !rowm.q.tiled);
+    cuda::GemvOpts o;
+    o.groups = c.groups;
+    o.qa8 = c.groups == 1;  // grouped: wo_a, bf16 without QA8
+    for (DType mode : {DType::F32, DType::BF16})
+      for (int T : {1, 2, 4, 8, 16}) {
+        SCOPED_TRACE(testing::Message() << "fmt " << static_cast<int>(c.f) << " N " << c.N << " K " << c.K << " groups "
+                                        << c.groups << " T " << T << " mode " << (mode == DType::BF16 ? "bf16" : "f32"));
+        const std::vector<float> x = twin::random_acts(T, c.groups * c.K, rng, mode == DType::BF16);
+        DeviceBuffer dx = upload_act(x, mode);
+        std::vector<float> y[2];
+        std::string path[2];
+        for (int i = 0; i < 2; ++i) {
+          DeviceBuffer dy(static_cast<size_t>(T * c.N) * cuda::dtype_size(mode));
+          cuda::gemv(i ? tile.q : rowm.q, mode, dx.get(), c.groups * c.K, T, mode, dy.get(), c.N, o, nullptr);
+          path[i] = cuda::gemv_last_path();
+          DSX_CUDA_CHECK(cudaDeviceSynchronize());
+          y[i] = download_act(dy, static_cast<size_t>(T * c.N), mode);
+        }
+        EXPECT_EQ(path[1], path[0]);
+        EXPECT_EQ(count_bit_diff(y[1], y[0]), 0u) << "path " << path[1];
+        EXPECT_GT(count_bit_diff(y[0], std::vector<float>(y[0].size(), 0.0f)), 0u);
+      }
+    // the prefill's dequantized copy
+    for (DType out : {DType::F32, DType::BF16}) {
+      const size_t n = static_cast<size_t>(c.N * c.K);
+      DeviceBuffer a(n * cuda::dtype_size(out)), b(n * cuda::dtype_size(out));
+      cuda::dequant(rowm.q, out, a.get(), nullptr);
+      cuda::dequant(tile.q, out, b.get(), nullptr);
+      EXPECT_EQ(count_bit_diff(download_act(b, n, out), download_act(a, n, out)), 0u) << "dequant";
+    }
+  }
 }
 
 TEST(CudaGemv, Bf16Weights) {
@@ -439,10 +490,12 @@ TEST(CudaGemv, InputNormFusedAndFallback) {
 // The one-token input staged by its producer (GemvOpts::staged, as hc_finish writes it;
 // built here from the CPU QA8 codes, CudaHc.PassAndFinish checks hc_finish against the
 // same reference): the shared-ring FP8 kernel copies it instead of quantizing x, so with
-// x itself zero it gives exactly the product of x; T = 2 ignores it.
+// x itself zero it gives exactly the product of x; T = 2 ignores it, and so do the other
+// kernels (switches such as DSX_GEMV_STREAM=1 pick them): then x is given.
 TEST(CudaGemv, StagedActivations) {
   SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(22);
+  const bool ring = default_gemv_switches();
   for (const int64_t N : {int64_t{1280}, int64_t{512}}) {
     const int64_t K = 5120;
     Weight W = make_weight(WFormat::FP8_BLOCK, N, K, rng, 128);
@@ -457,8 +510,8 @@ TEST(CudaGemv, StagedActivations) {
       cuda::GemvOpts o;
       cuda::gemv(W.d.q, DType::BF16, dx.get(), K, T, DType::BF16, dy.get(), N, o, nullptr);
       o.staged = dst.as<uint32_t>();
-      cuda::gemv(W.d.q, DType::BF16, T == 1 ? dz.get() : dx.get(), K, T, DType::BF16, dy2.get(), N, o, nullptr);
-      if (default_gemv_switches() && T == 1) EXPECT_STREQ(cuda::gemv_last_path(), "mma-ring");
+      cuda::gemv(W.d.q, DType::BF16, T == 1 && ring ? dz.get() : dx.get(), K, T, DType::BF16, dy2.get(), N, o, nullptr);
+      if (ring && T == 1) EXPECT_STREQ(cuda::gemv_last_path(), "mma-ring");
       DSX_CUDA_CHECK(cudaDeviceSynchronize());
       EXPECT_EQ(dsx_test::count_bit_diff(download_act(dy2, static_cast<size_t>(T * N), DType::BF16),
                                          download_act(dy, static_cast<size_t>(T * N), DType::BF16)),
@@ -625,6 +678,7 @@ TEST(CudaGemm, DequantExact) {
   } cases[] = {{WFormat::FP8_BLOCK, 300, 640, 32},
                {WFormat::FP8_BLOCK, 256, 512, 128},
                {WFormat::MXFP4, 130, 256, 32},
+               {WFormat::MXFP4, 64, 512, 32},  // tiled (the others but 256 x 512 stay row-major)
                {WFormat::BF16, 70, 96, 32},
                {WFormat::F32, 33, 64, 32}};
   for (const C& c : cases) {

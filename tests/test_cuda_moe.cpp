@@ -97,8 +97,9 @@ struct MoeSetup {
 };
 
 // exact: weights chosen so that gate / up sums of integer activations in [-7, 7] are exact.
+// layout_tiles: the weights in the tile layout where they fit (as the engine uploads them).
 std::unique_ptr<MoeSetup> make_moe(int E, int64_t D, int64_t I, bool shared, int qblock, int tile, bool exact,
-                                   std::mt19937_64& rng) {
+                                   std::mt19937_64& rng, bool layout_tiles = true) {
   auto m = std::make_unique<MoeSetup>();
   m->E = E;
   m->D = D;
@@ -116,10 +117,11 @@ std::unique_ptr<MoeSetup> make_moe(int E, int64_t D, int64_t I, bool shared, int
     m->w3.push_back(twin::random_matrix(WFormat::MXFP4, I, D, 32, rng, up4));
     m->w2.push_back(twin::random_matrix(WFormat::MXFP4, D, I, 32, rng));
   }
+  const bool etiled = layout_tiles && cuda::moe_experts_tile16(D, I);
   for (int e = 0; e < E; ++e) {
-    m->d1.push_back(upload_matrix(m->w1[static_cast<size_t>(e)].q));
-    m->d3.push_back(upload_matrix(m->w3[static_cast<size_t>(e)].q));
-    m->d2.push_back(upload_matrix(m->w2[static_cast<size_t>(e)].q));
+    m->d1.push_back(upload_matrix(m->w1[static_cast<size_t>(e)].q, etiled));
+    m->d3.push_back(upload_matrix(m->w3[static_cast<size_t>(e)].q, etiled));
+    m->d2.push_back(upload_matrix(m->w2[static_cast<size_t>(e)].q, etiled));
     ptr[0].push_back(m->d1.back().q.data);
     ptr[1].push_back(m->d1.back().q.scale);
     ptr[2].push_back(m->d3.back().q.data);
@@ -144,6 +146,7 @@ std::unique_ptr<MoeSetup> make_moe(int E, int64_t D, int64_t I, bool shared, int
   L.w3_scale = m->p[3].as<const uint8_t*>();
   L.w2 = m->p[4].as<const uint8_t*>();
   L.w2_scale = m->p[5].as<const uint8_t*>();
+  L.tiled = etiled;
   L.qblock = qblock;
   L.swiglu_limit = 10.0f;
   m->tw.qblock = qblock;
@@ -152,9 +155,9 @@ std::unique_ptr<MoeSetup> make_moe(int E, int64_t D, int64_t I, bool shared, int
     m->sw1 = twin::random_matrix(WFormat::FP8_BLOCK, I, D, tile, rng, up8);
     m->sw3 = twin::random_matrix(WFormat::FP8_BLOCK, I, D, tile, rng, up8);
     m->sw2 = twin::random_matrix(WFormat::FP8_BLOCK, D, I, tile, rng);
-    m->ds1 = upload_matrix(m->sw1.q);
-    m->ds3 = upload_matrix(m->sw3.q);
-    m->ds2 = upload_matrix(m->sw2.q);
+    m->ds1 = upload_matrix(m->sw1.q, layout_tiles);
+    m->ds3 = upload_matrix(m->sw3.q, layout_tiles);
+    m->ds2 = upload_matrix(m->sw2.q, layout_tiles);
     L.shared_w1 = m->ds1.q;
     L.shared_w3 = m->ds3.q;
     L.shared_w2 = m->ds2.q;
@@ -378,6 +381,47 @@ TEST(CudaMoe, PrefillMatchesDecode) {
         expect_output(p, d.y, abs2, mag, bf16, "prefill vs decode");
       }
     }
+  }
+}
+
+// The weights in the 16-row tile layout (qmatrix.h, as the engine uploads them) give
+// bit-identical results to the row-major layout on every MoE path: the one-token ring
+// kernels, the per-tile kernels of a few tokens, the CUDA-core kernels (f32) and the
+// prefill (dequantized GEMMs and per-expert GEMVs).
+TEST(CudaMoe, TiledLayoutMatchesRowMajor) {
+  SKIP_WITHOUT_GPU();
+  struct C {
+    int E;
+    int64_t D, I;
+  } cases[] = {{8, 1024, 512}, {8, 5120, 2304}};
+  for (const C& c : cases) {
+    std::mt19937_64 ra(38), rb(38);
+    auto rowm = make_moe(c.E, c.D, c.I, true, 32, 32, false, ra, false);
+    auto tile = make_moe(c.E, c.D, c.I, true, 32, 32, false, rb, true);
+    ASSERT_TRUE(tile->layer.tiled && tile->layer.shared_w1.tiled && tile->layer.shared_w2.tiled);
+    ASSERT_FALSE(rowm->layer.tiled || rowm->layer.shared_w1.tiled);
+    std::mt19937_64 rng(39);
+    for (DType mode : {DType::F32, DType::BF16})
+      for (int T : {1, 2, 5, 24}) {
+        SCOPED_TRACE(testing::Message() << "D " << c.D << " I " << c.I << " T " << T << " mode "
+                                        << (mode == DType::BF16 ? "bf16" : "f32"));
+        std::vector<float> x = twin::random_acts(T, c.D, rng, mode == DType::BF16, -3, 1);
+        std::vector<int32_t> ids;
+        std::vector<float> w;
+        random_routing(T, c.E, 6, rng, ids, w);
+        if (T <= 8) {
+          const DecodeResult a = run_decode(*rowm, x, T, 6, ids, w, mode);
+          const DecodeResult b = run_decode(*tile, x, T, 6, ids, w, mode);
+          EXPECT_EQ(count_bit_diff(b.y, a.y), 0u) << "decode output";
+          EXPECT_EQ(count_bit_diff(b.hq, a.hq), 0u) << "decode hidden";
+          EXPECT_GT(count_bit_diff(a.y, std::vector<float>(a.y.size(), 0.0f)), 0u);
+        }
+        for (int gmin : {1, 1000}) {
+          const std::vector<float> a = run_prefill(*rowm, x, T, 6, ids, w, mode, gmin);
+          const std::vector<float> b = run_prefill(*tile, x, T, 6, ids, w, mode, gmin);
+          EXPECT_EQ(count_bit_diff(b, a), 0u) << "prefill, gemm_min_tokens " << gmin;
+        }
+      }
   }
 }
 

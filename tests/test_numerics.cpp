@@ -183,3 +183,38 @@ TEST(Dequant, FormatsHandComputed) {
   EXPECT_EQ(o4[31], -0.25f);
   EXPECT_EQ(o4[2], 0.0f);
 }
+
+// The device's 16-row tile layout (qmatrix.h): every 1 KB block at (tile t, span j) holds
+// the bytes [64 j, 64 j + 64) of rows 16 t .. 16 t + 15, one row after the other; and
+// only FP8 / MXFP4 matrices of whole tiles and spans fit it.
+TEST(Tile16, PackPlacesEachSpanContiguously) {
+  const int64_t rows = 48, rb = 192;  // 3 tiles of 3 spans
+  std::vector<uint8_t> src(static_cast<size_t>(rows * rb)), dst(src.size(), 0xee);
+  std::mt19937 rng(5);
+  for (auto& b : src) b = static_cast<uint8_t>(rng());
+  tile16_pack(src.data(), rows, rb, dst.data());
+  size_t at = 0;
+  for (int64_t t = 0; t < rows / 16; ++t)
+    for (int64_t j = 0; j < rb / 64; ++j)
+      for (int64_t r = 16 * t; r < 16 * t + 16; ++r)
+        for (int64_t b = 64 * j; b < 64 * j + 64; ++b, ++at) {
+          ASSERT_EQ(dst[at], src[static_cast<size_t>(r * rb + b)]) << "tile " << t << " span " << j << " row " << r;
+          ASSERT_EQ(tile16_offset(r, b, rb), static_cast<int64_t>(at));
+        }
+  EXPECT_EQ(at, dst.size());
+
+  QMatrix q{WFormat::FP8_BLOCK, 32, 128, 32, src.data(), nullptr, "q"};
+  EXPECT_TRUE(tile16_fits(q));
+  q.cols = 96;  // 96-byte rows: not whole spans
+  EXPECT_FALSE(tile16_fits(q));
+  q = QMatrix{WFormat::MXFP4, 16, 128, 32, src.data(), nullptr, "q"};  // 64-byte rows
+  EXPECT_TRUE(tile16_fits(q));
+  q.rows = 40;  // not whole tiles
+  EXPECT_FALSE(tile16_fits(q));
+  q = QMatrix{WFormat::BF16, 16, 64, 32, src.data(), nullptr, "q"};
+  EXPECT_FALSE(tile16_fits(q));
+  EXPECT_THROW(tile16_pack(src.data(), 40, 64, dst.data()), std::exception);
+  q.tiled = true;
+  std::vector<float> out(16 * 64);
+  EXPECT_THROW(q.dequant_rows(0, 1, out.data()), std::exception);  // a device layout
+}

@@ -101,6 +101,13 @@ bool signals_enabled() {
   return v;
 }
 
+// DSX_TILED=0: the FP8 / MXFP4 weights uploaded row-major instead of in the 16-row tile
+// layout (qmatrix.h: each 1 KB span the weight kernels read is one contiguous block)
+bool tiled_weights_enabled() {
+  static const bool v = env_int("DSX_TILED", 1) != 0;
+  return v;
+}
+
 // DSX_ATTN_MMA=0: CUDA-core attention in BF16 mode
 bool attn_mma_enabled() {
   static const bool v = env_int("DSX_ATTN_MMA", 1) != 0;
@@ -242,9 +249,20 @@ struct Uploader {
     const int center = 127 - 6 - static_cast<int>(std::lround(0.5 * std::log2(static_cast<double>(h.cols))));
     return static_cast<const uint8_t*>(place(h.scale, static_cast<size_t>(h.scale_bytes()), 2, 0, 0, center));
   }
-  QMatrix matrix(const QMatrix& h) {
+  // The data of FP8 / MXFP4 matrix h, in the tile layout when `tiled` (random when
+  // synthetic: any layout of random codes is the same random matrix).
+  const uint8_t* quant_data(const QMatrix& h, bool tiled, int kind) {
+    const size_t n = static_cast<size_t>(h.data_bytes());
+    if (!tiled || !h.data || sizing) return static_cast<const uint8_t*>(place(h.data, n, kind));
+    std::vector<uint8_t> t(n);
+    tile16_pack(h.data, h.rows, h.row_bytes(), t.data());
+    return static_cast<const uint8_t*>(place(t.data(), n, kind));
+  }
+  // tile: the matrix may take the tile layout (when it fits and DSX_TILED is not 0).
+  QMatrix matrix(const QMatrix& h, bool tile = true) {
     QMatrix d = h;
     const int64_t K = h.cols;
+    d.tiled = tile && tiled_weights_enabled() && tile16_fits(h);
     switch (h.fmt) {
       case WFormat::F32:
         d.data = static_cast<const uint8_t*>(place(h.data, static_cast<size_t>(h.data_bytes()), 4, 0.02f));
@@ -253,12 +271,12 @@ struct Uploader {
         d.data = static_cast<const uint8_t*>(place(h.data, static_cast<size_t>(h.data_bytes()), 3, 1.0f / std::sqrt(float(K))));
         break;
       case WFormat::FP8_BLOCK:
-        d.data = static_cast<const uint8_t*>(place(h.data, static_cast<size_t>(h.data_bytes()), 0));
+        d.data = quant_data(h, d.tiled, 0);
         d.scale = fp8_scales(h);
         break;
       case WFormat::MXFP4: {
         const int center = 127 - 1 - static_cast<int>(std::lround(0.5 * std::log2(static_cast<double>(K))));
-        d.data = static_cast<const uint8_t*>(place(h.data, static_cast<size_t>(h.data_bytes()), 1));
+        d.data = quant_data(h, d.tiled, 1);
         d.scale = static_cast<const uint8_t*>(place(h.scale, static_cast<size_t>(h.scale_bytes()), 2, 0, 0, center));
         break;
       }
@@ -284,8 +302,10 @@ struct Uploader {
       return j;
     }
     d1 = h1, d2 = h2;
-    d1.data = static_cast<const uint8_t*>(place(h1.data, static_cast<size_t>(h1.data_bytes()), 0));
-    d2.data = static_cast<const uint8_t*>(place(h2.data, static_cast<size_t>(h2.data_bytes()), 0));
+    // both in the tile layout or neither (the joint view has one layout)
+    d1.tiled = d2.tiled = tiled_weights_enabled() && tile16_fits(h1) && tile16_fits(h2);
+    d1.data = quant_data(h1, d1.tiled, 0);
+    d2.data = quant_data(h2, d2.tiled, 0);
     d1.scale = fp8_scales(h1);
     d2.scale = fp8_scales(h2);
     if (sizing) return j;
@@ -319,8 +339,8 @@ void upload_pass(Uploader& u, const ModelConfig& c, const ModelWeights* hw) {
   const int64_t D = c.hidden, M = c.hc_mult, mix = c.hc_mix_dim(), H = c.n_heads, hd = c.head_dim;
   const int64_t ql = c.q_lora_rank, G = c.o_groups, ol = c.o_lora_rank, E = c.n_routed_experts, I = c.moe_inter;
   const int B = c.quant_block;
-  auto mat = [&](const QMatrix* h, WFormat f, int64_t n, int64_t k, const char* name) {
-    return u.matrix(h ? *h : host_shape(f, n, k, B, name));
+  auto mat = [&](const QMatrix* h, WFormat f, int64_t n, int64_t k, const char* name, bool tile = true) {
+    return u.matrix(h ? *h : host_shape(f, n, k, B, name), tile);
   };
   const std::vector<float> none;
   m.embed = mat(hw ? &hw->embed : nullptr, WFormat::BF16, c.vocab_size, D, "embed");
@@ -373,10 +393,15 @@ void upload_pass(Uploader& u, const ModelConfig& c, const ModelWeights* hw) {
     L.gate = mat(h ? &h->gate : nullptr, WFormat::BF16, E, D, "gate");
     L.gate_bias = u.vec(h ? h->gate_bias : none, static_cast<size_t>(E), 0.0f, 0.05f);
     std::vector<const uint8_t*> p1(E), s1(E), p2(E), s2(E), p3(E), s3(E);
+    // the routed experts take the tile layout all together or not at all (MoeLayer::tiled)
+    const bool etile = moe_experts_tile16(D, I);
+    L.moe.tiled = etile && tiled_weights_enabled();
     for (int64_t e = 0; e < E; ++e) {
-      QMatrix d1 = mat(h ? &h->w1[e] : nullptr, WFormat::MXFP4, I, D, "w1");
-      QMatrix d3 = mat(h ? &h->w3[e] : nullptr, WFormat::MXFP4, I, D, "w3");
-      QMatrix d2 = mat(h ? &h->w2[e] : nullptr, WFormat::MXFP4, D, I, "w2");
+      QMatrix d1 = mat(h ? &h->w1[e] : nullptr, WFormat::MXFP4, I, D, "w1", etile);
+      QMatrix d3 = mat(h ? &h->w3[e] : nullptr, WFormat::MXFP4, I, D, "w3", etile);
+      QMatrix d2 = mat(h ? &h->w2[e] : nullptr, WFormat::MXFP4, D, I, "w2", etile);
+      DSX_CHECK(d1.tiled == L.moe.tiled && d3.tiled == L.moe.tiled && d2.tiled == L.moe.tiled,
+                "expert ", e, " of layer ", l, ": MXFP4 experts of unexpected format");
       p1[e] = d1.data, s1[e] = d1.scale, p3[e] = d3.data, s3[e] = d3.scale, p2[e] = d2.data, s2[e] = d2.scale;
     }
     L.moe.n_experts = static_cast<int>(E);

@@ -7,6 +7,7 @@
 #include <immintrin.h>
 #endif
 
+#include "util/error.h"
 #include "util/numerics.h"
 
 namespace dsx {
@@ -31,6 +32,20 @@ int64_t QMatrix::scale_bytes() const {
   return 0;
 }
 
+bool tile16_fits(const QMatrix& q) {
+  if (q.fmt != WFormat::FP8_BLOCK && q.fmt != WFormat::MXFP4) return false;
+  const int64_t rb = q.row_bytes();
+  return q.rows > 0 && q.rows % kTileRows == 0 && rb > 0 && rb % kTileSpan == 0;
+}
+
+void tile16_pack(const uint8_t* src, int64_t rows, int64_t row_bytes, uint8_t* dst) {
+  DSX_CHECK(rows % kTileRows == 0 && row_bytes % kTileSpan == 0, "tile16_pack: shape [", rows, ", ", row_bytes,
+            " bytes] is not whole 16-row tiles of 64-byte spans");
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < row_bytes; b += kTileSpan)
+      std::memcpy(dst + tile16_offset(r, b, row_bytes), src + r * row_bytes + b, kTileSpan);
+}
+
 namespace {
 struct E4M3Table {
   float v[256];
@@ -45,6 +60,7 @@ const E4M3Table& e4m3_table() {
 }  // namespace
 
 void QMatrix::dequant_rows(int64_t r0, int64_t r1, float* out) const {
+  DSX_CHECK(!tiled, "dequant_rows ", name, ": the 16-row tile layout is a device layout (host matrices are row-major)");
   const int64_t K = cols;
   switch (fmt) {
     case WFormat::F32:

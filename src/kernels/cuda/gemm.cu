@@ -50,14 +50,17 @@ __device__ __forceinline__ void store4(void* dst, int ob, int64_t idx, float a, 
 template <WFormat F>
 __global__ void __launch_bounds__(kThreads)
     dequant_kernel(const uint8_t* __restrict__ w, const uint8_t* __restrict__ s, int64_t N, int64_t K, int sc_cols,
-                   int wshift, int ob, void* __restrict__ dst) {
+                   int wshift, int tiled, int ob, void* __restrict__ dst) {
   constexpr int EPC = F == WFormat::FP8_BLOCK ? 16 : F == WFormat::MXFP4 ? 32 : F == WFormat::BF16 ? 8 : 4;
   const int64_t C = K / EPC;
   const int64_t total = N * C;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * kThreads) {
     const int64_t n = i / C, c = i % C;
-    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(w) + i);
+    // chunk c of row n (16 bytes; row-major: chunk i of the matrix)
+    const int64_t rb = C * 16, b = c * 16;
+    const int64_t at = tiled ? (n >> 4) * (rb << 4) + ((b >> 6) << 10) + ((n & 15) << 6) + (b & 63) : i * 16;
+    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(w + at));
     const int64_t o = n * K + c * EPC;
     if constexpr (F == WFormat::FP8_BLOCK) {
       const float f = e8m0_to_f32(s[(n >> wshift) * sc_cols + ((c * 16) >> wshift)]);
@@ -118,8 +121,8 @@ bool uses_qa8(const QMatrix& W, const GemmOpts& o) {
 
 namespace detail {
 
-void dequant_raw(WFormat fmt, const uint8_t* w, const uint8_t* s, int64_t N, int64_t K, int block, DType out,
-                 void* dst, cudaStream_t stream) {
+void dequant_raw(WFormat fmt, const uint8_t* w, const uint8_t* s, int64_t N, int64_t K, int block, bool tiled,
+                 DType out, void* dst, cudaStream_t stream) {
   DSX_CHECK(K % 32 == 0, "dequant: K=", K, " must be a multiple of 32");
   DSX_CHECK(aligned16(w) && aligned16(dst), "dequant: pointers must be 16-byte aligned");
   const int epc = fmt == WFormat::FP8_BLOCK ? 16 : fmt == WFormat::MXFP4 ? 32 : fmt == WFormat::BF16 ? 8 : 4;
@@ -127,19 +130,22 @@ void dequant_raw(WFormat fmt, const uint8_t* w, const uint8_t* s, int64_t N, int
   if (total <= 0) return;
   const int64_t blocks = std::min<int64_t>((total + kThreads - 1) / kThreads, static_cast<int64_t>(sm_count()) * 16);
   const int ob = out == DType::BF16 ? 1 : 0;
+  const int ti = tiled ? 1 : 0;
+  DSX_CHECK(!tiled || ((fmt == WFormat::FP8_BLOCK || fmt == WFormat::MXFP4) && N % 16 == 0 && (K / epc) % 4 == 0),
+            "dequant: the tile layout needs FP8 / MXFP4 data of whole 16-row tiles and 64-byte spans");
   const unsigned g = static_cast<unsigned>(blocks);
   switch (fmt) {
     case WFormat::FP8_BLOCK:
       DSX_CHECK(s != nullptr && (block == 32 || block == 64 || block == 128), "dequant: bad FP8 scales / tile");
       dequant_kernel<WFormat::FP8_BLOCK><<<g, kThreads, 0, stream>>>(
-          w, s, N, K, static_cast<int>((K + block - 1) / block), log2i(block), ob, dst);
+          w, s, N, K, static_cast<int>((K + block - 1) / block), log2i(block), ti, ob, dst);
       break;
     case WFormat::MXFP4:
       DSX_CHECK(s != nullptr, "dequant: MXFP4 without scales");
-      dequant_kernel<WFormat::MXFP4><<<g, kThreads, 0, stream>>>(w, s, N, K, static_cast<int>(K / 32), 0, ob, dst);
+      dequant_kernel<WFormat::MXFP4><<<g, kThreads, 0, stream>>>(w, s, N, K, static_cast<int>(K / 32), 0, ti, ob, dst);
       break;
-    case WFormat::BF16: dequant_kernel<WFormat::BF16><<<g, kThreads, 0, stream>>>(w, s, N, K, 0, 0, ob, dst); break;
-    case WFormat::F32: dequant_kernel<WFormat::F32><<<g, kThreads, 0, stream>>>(w, s, N, K, 0, 0, ob, dst); break;
+    case WFormat::BF16: dequant_kernel<WFormat::BF16><<<g, kThreads, 0, stream>>>(w, s, N, K, 0, 0, 0, ob, dst); break;
+    case WFormat::F32: dequant_kernel<WFormat::F32><<<g, kThreads, 0, stream>>>(w, s, N, K, 0, 0, 0, ob, dst); break;
   }
   DSX_CUDA_CHECK(cudaGetLastError());
 }
@@ -157,7 +163,7 @@ void convert2d(DType xt, const void* x, int64_t ldx, DType yt, void* y, int64_t 
 }  // namespace detail
 
 void dequant(const QMatrix& W, DType out, void* dst, cudaStream_t stream) {
-  detail::dequant_raw(W.fmt, W.data, W.scale, W.rows, W.cols, W.block, out, dst, stream);
+  detail::dequant_raw(W.fmt, W.data, W.scale, W.rows, W.cols, W.block, W.tiled, out, dst, stream);
 }
 
 void gemm_dense(DType ct, const void* a, int64_t lda, int T, const void* wd, int64_t N, int64_t K, DType yt, void* y,

@@ -748,6 +748,8 @@ void check_args(const QMatrix& W, const GemvOpts& o) {
   DSX_CHECK(detail::aligned16(W.data), "gemv ", W.name, ": weight data must be 16-byte aligned");
   DSX_CHECK(W.cols > 0 && W.cols % 32 == 0, "gemv ", W.name, ": K=", W.cols, " must be a multiple of 32");
   DSX_CHECK(W.cols <= (1 << 30), "gemv ", W.name, ": K too large");
+  DSX_CHECK(!W.tiled || tile16_fits(W), "gemv ", W.name, ": the 16-row tile layout needs FP8 / MXFP4 data of whole ",
+            "tiles and spans");
   DSX_CHECK(o.groups >= 1 && W.rows % o.groups == 0, "gemv ", W.name, ": rows ", W.rows, " not divisible by groups ",
             o.groups);
   if (uses_qa8(W, o))
@@ -851,6 +853,7 @@ void gemv(const QMatrix& W, DType xt, const void* x, int64_t ldx, int T, DType y
   Params p{};
   p.W.w = W.data;
   p.W.s = W.scale;
+  p.W.tiled = W.tiled ? 1 : 0;
   switch (W.fmt) {
     case WFormat::FP8_BLOCK:
       p.W.row_bytes = W.cols;

@@ -47,11 +47,20 @@ struct Fmt<WFormat::F32> {
 
 // A weight matrix as the kernels see it (device pointers).
 struct WView {
-  const uint8_t* w = nullptr;  // row-major rows of row_bytes bytes
+  const uint8_t* w = nullptr;  // rows of row_bytes bytes, row-major or tiled
   const uint8_t* s = nullptr;  // FP8: [ceil(N/B), sc_cols]; MXFP4: [N, sc_cols]
   int64_t row_bytes = 0;
   int sc_cols = 0;
   int wshift = 5;  // FP8: log2 of the tile size B
+  int tiled = 0;   // 1: the data in the 16-row tile layout (qmatrix.h, QMatrix::tiled)
+
+  // Address of byte 0 of row n; byte b of the row is at row_at(n) + byte_off(b).
+  __device__ __forceinline__ const uint8_t* row_at(int64_t n) const {
+    return tiled ? w + (n >> 4) * (row_bytes << 4) + ((n & 15) << 6) : w + n * row_bytes;
+  }
+  __device__ __forceinline__ int64_t byte_off(int64_t b) const { return tiled ? ((b >> 6) << 10) + (b & 63) : b; }
+  // The address step from one 64-byte span of a row to the next.
+  __device__ __forceinline__ int span_step() const { return tiled ? 1024 : 64; }
 };
 
 // Stage activation rows x[t, xoff .. xoff+Ks) (t < nt; rows nt..TT-1 are zeroed) into
@@ -139,7 +148,7 @@ __device__ __forceinline__ void warp_dot(const WView& W, int64_t row0, int64_t r
 #pragma unroll
   for (int r = 0; r < RPW; ++r) {
     const int64_t n = row0 + r < row_last ? row0 + r : row_last;
-    rows[r] = W.w + n * W.row_bytes;
+    rows[r] = W.row_at(n);
   }
   // FP8: all RPW rows share one 32x32 (or BxB) tile row (RPW divides B, row0 % RPW == 0).
   const uint8_t* srow_fp8 = nullptr;
@@ -154,7 +163,7 @@ __device__ __forceinline__ void warp_dot(const WView& W, int64_t row0, int64_t r
       const bool ok = c < c_hi;
 #pragma unroll
       for (int r = 0; r < RPW; ++r) {
-        raw[u][r] = ok ? ldg_stream(rows[r] + static_cast<int64_t>(c) * 16) : make_uint4(0, 0, 0, 0);
+        raw[u][r] = ok ? ldg_stream(rows[r] + W.byte_off(static_cast<int64_t>(c) * 16)) : make_uint4(0, 0, 0, 0);
         sb[u][r] = 0;
       }
       if constexpr (F == WFormat::FP8_BLOCK) {
@@ -451,8 +460,8 @@ __device__ __forceinline__ void mma_slot_load(MmaSlot<F>& sl, const WView& W, in
   const int64_t off = static_cast<int64_t>(s) * 64 + 16 * c;
   const bool ok = live && off + 16 <= W.row_bytes;
   const int64_t offc = ok ? off : 0;
-  sl.a = ldg_stream_pred(W.w + rg * W.row_bytes + offc, ok);
-  sl.a8 = ldg_stream_pred(W.w + rg8 * W.row_bytes + offc, ok);
+  sl.a = ldg_stream_pred(W.row_at(rg) + W.byte_off(offc), ok);
+  sl.a8 = ldg_stream_pred(W.row_at(rg8) + W.byte_off(offc), ok);
   if constexpr (F == WFormat::FP8_BLOCK) {
     const int kb0 = 2 * s;
     const int64_t r0c = row0 < row_last ? row0 : row_last;

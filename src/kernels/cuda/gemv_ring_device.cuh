@@ -25,9 +25,10 @@ __device__ __forceinline__ uint32_t next_ring_slot(uint32_t o) {
 // [s_lo, s_hi) of 64 bytes per row, this lane's 16 bytes at 16 c.
 struct RingLoad {
   const uint8_t* pa = nullptr;  // row g at the next span
-  int64_t d8 = 0;               // row g+8 minus row g, bytes
+  int64_t d8 = 0;               // row g+8 minus row g, bytes (the same at every span)
   int off = 0, rb = 0;          // this lane's offset in the row at the next span; row bytes
   int left = 0;                 // spans left in the piece
+  int step = 64;                // address step per span (WView::span_step)
 
   __device__ __forceinline__ void set(const WView& W, int64_t row0, int64_t row_last, int s_lo, int s_hi, int lane) {
     const int g = lane >> 2, c = lane & 3;
@@ -35,8 +36,9 @@ struct RingLoad {
     const int64_t rg8 = row0 + g + 8 < row_last ? row0 + g + 8 : row_last;
     off = s_lo * 64 + 16 * c;
     rb = static_cast<int>(W.row_bytes);
-    pa = W.w + rg * W.row_bytes + off;
-    d8 = (rg8 - rg) * W.row_bytes;
+    pa = W.row_at(rg) + W.byte_off(off);
+    d8 = W.row_at(rg8) - W.row_at(rg);
+    step = W.span_step();
     left = s_hi > s_lo ? s_hi - s_lo : 0;
   }
   // Copies the next span into the slot at this lane's shared address dst (rows g at + 0,
@@ -46,7 +48,7 @@ struct RingLoad {
     cp_async16_zfill(dst, pa, ok);
     cp_async16_zfill(dst + 512, pa + d8, ok);
     cp_async_commit();
-    pa += 64;
+    pa += step;
     off += 64;
     left -= left > 0 ? 1 : 0;
   }

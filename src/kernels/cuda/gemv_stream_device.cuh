@@ -103,14 +103,16 @@ struct Step {
 template <WFormat F, int CPS>
 __device__ __forceinline__ void load_steps(Step<CPS>& st, const WView& W, int cpr, int64_t row, int cs, int lane) {
   const int c0 = cs * (32 * CPS) + lane;
-  const uint8_t* base = W.w + row * W.row_bytes + static_cast<int64_t>(c0) * 16;
+  // chunk c0 + 32 j is 8 spans after chunk c0 + 32 (j - 1)
+  const uint8_t* base = W.row_at(row) + W.byte_off(static_cast<int64_t>(c0) * 16);
+  const int jstep = 8 * W.span_step();
   const uint8_t* sbase = nullptr;
   if constexpr (F == WFormat::FP8_BLOCK) sbase = W.s + (row >> W.wshift) * W.sc_cols;
   if constexpr (F == WFormat::MXFP4) sbase = W.s + row * W.sc_cols + c0;
 #pragma unroll
   for (int j = 0; j < CPS; ++j) {
     const bool ok = c0 + 32 * j < cpr;
-    st.raw[j] = ok ? ldg_stream(base + 512 * j) : make_uint4(0, 0, 0, 0);
+    st.raw[j] = ok ? ldg_stream(base + jstep * j) : make_uint4(0, 0, 0, 0);
     st.sb[j] = 0;
     if constexpr (F == WFormat::FP8_BLOCK) {
       if (ok) st.sb[j] = __ldg(sbase + (((c0 + 32 * j) * 16) >> W.wshift));

@@ -28,6 +28,7 @@ size_t align256(size_t v) { return (v + 255) & ~static_cast<size_t>(255); }
 // ---------------------------------------------------------------------------------
 // Up projection: w1 / w3 of every (token, slot) + SwiGLU + routing weight + QA8 -> hq.
 struct UpParams {
+  int etiled;  // routed experts in the 16-row tile layout (MoeLayer::tiled)
   const uint8_t* const* w1;
   const uint8_t* const* w1s;
   const uint8_t* const* w3;
@@ -77,6 +78,7 @@ __global__ void __launch_bounds__(kThreads) moe_up_kernel(const UpParams p) {
         v3.w = p.w3[e];
         v3.s = p.w3s[e];
         v1.row_bytes = v3.row_bytes = p.D / 2;
+        v1.tiled = v3.tiled = p.etiled;
         v1.sc_cols = v3.sc_cols = p.D / 32;
       } else {
         v1 = p.sw1;
@@ -134,6 +136,7 @@ __global__ void __launch_bounds__(kThreads) moe_up_kernel(const UpParams p) {
 // part[t][slot][n]; the last unit of a (token, row pair) to finish adds the S partials
 // in the reference order (ascending expert id, shared expert last) and writes y.
 struct DownParams {
+  int etiled;  // routed experts in the 16-row tile layout (MoeLayer::tiled)
   const uint8_t* const* w2;
   const uint8_t* const* w2s;
   dev::WView sw2;
@@ -188,6 +191,7 @@ __global__ void __launch_bounds__(kThreads) moe_down_kernel(const DownParams p) 
         v.w = p.w2[e];
         v.s = p.w2s[e];
         v.row_bytes = p.I / 2;
+        v.tiled = p.etiled;
         v.sc_cols = p.I / 32;
         dev::warp_dot<WFormat::MXFP4, kDownRPW, 1, 4>(v, n0, p.D - 1, 0, p.I / 32, 0, xs_j, xq, a, lane);
       } else {
@@ -252,6 +256,7 @@ __device__ __forceinline__ void stream_tile(const dev::WView& W, int64_t row0, i
 }
 
 struct UpMmaParams {
+  int etiled;  // routed experts in the 16-row tile layout (MoeLayer::tiled)
   const uint8_t* const* w1;
   const uint8_t* const* w1s;
   const uint8_t* const* w3;
@@ -307,6 +312,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_mma_kernel(const UpMmaPara
     v.w = m == 0 ? p.w1[e] : p.w3[e];
     v.s = m == 0 ? p.w1s[e] : p.w3s[e];
     v.row_bytes = p.D / 2;
+    v.tiled = p.etiled;
     v.sc_cols = p.D / 32;
   }
   float* sas = reinterpret_cast<float*>(bs + static_cast<int64_t>(ntok) * p.NB * 16);
@@ -373,6 +379,7 @@ __device__ __forceinline__ float2 down_tile(dev::WView W, int64_t row0, int64_t 
 }
 
 struct DownMmaParams {
+  int etiled;  // routed experts in the 16-row tile layout (MoeLayer::tiled)
   const uint8_t* const* w2;
   const uint8_t* const* w2s;
   dev::WView sw2;
@@ -445,6 +452,7 @@ __device__ __forceinline__ void down_tile_out(const DownMmaParams& p, int t, int
       v.w = p.w2[e];
       v.s = p.w2s[e];
       v.row_bytes = p.I / 2;
+      v.tiled = p.etiled;
       v.sc_cols = p.I / 32;
       r = down_tile<WFormat::MXFP4>(v, row0, p.D - 1, 0, (p.I / 2 + 63) / 64, p.NBI,
                                     sm.bs_r + static_cast<int64_t>(it) * p.NBI * 16,
@@ -675,6 +683,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_ring_t1_kernel(const UpMma
       q.v.w = tab[j][2 * m];
       q.v.s = tab[j][2 * m + 1];
       q.v.row_bytes = p.D / 2;
+      q.v.tiled = p.etiled;
       q.v.sc_cols = p.D / 32;
       q.row0 = static_cast<int64_t>(u % p.NTI) * 16;
       q.fp4 = true;
@@ -828,6 +837,7 @@ __global__ void __launch_bounds__(kDownRingThreads, 1) moe_down_ring_t1_kernel(c
       q.v.w = p.w2[e];
       q.v.s = p.w2s[e];
       q.v.row_bytes = p.I / 2;
+      q.v.tiled = p.etiled;
       q.v.sc_cols = p.I / 32;
       q.fp4 = true;
       lo = 0;
@@ -925,6 +935,7 @@ dev::WView fp8_view(const QMatrix& W) {
   v.w = W.data;
   v.s = W.scale;
   v.row_bytes = W.cols;
+  v.tiled = W.tiled ? 1 : 0;
   v.sc_cols = static_cast<int>((W.cols + W.block - 1) / W.block);
   int s = 0;
   while ((1 << s) < W.block) ++s;
@@ -940,12 +951,15 @@ void check_layer(const MoeLayer& m, int topk) {
   DSX_CHECK(topk >= 1 && topk <= 8, "moe: topk must be in 1..8");
   DSX_CHECK(m.w1 && m.w1_scale && m.w3 && m.w3_scale && m.w2 && m.w2_scale, "moe: missing expert pointer arrays");
   DSX_CHECK(m.hidden <= (1 << 24) && m.inter <= (1 << 24), "moe: sizes too large");
+  DSX_CHECK(!m.tiled || moe_experts_tile16(m.hidden, m.inter), "moe: the 16-row tile layout of the routed experts ",
+            "needs D and I of whole tiles and spans (D=", m.hidden, ", I=", m.inter, ")");
   if (m.shared_w1.data) {
     const QMatrix* sh[3] = {&m.shared_w1, &m.shared_w3, &m.shared_w2};
     for (const QMatrix* q : sh) {
       DSX_CHECK(q->data && q->scale && q->fmt == WFormat::FP8_BLOCK, "moe: shared expert must be FP8_BLOCK");
       DSX_CHECK(q->block == 32 || q->block == 64 || q->block == 128, "moe: shared expert tile must be 32/64/128");
       DSX_CHECK(detail::aligned16(q->data), "moe: shared expert data must be 16-byte aligned");
+      DSX_CHECK(!q->tiled || tile16_fits(*q), "moe: shared expert ", q->name, " tiled but not of whole tiles");
     }
     DSX_CHECK(m.shared_w1.rows == m.inter && m.shared_w1.cols == m.hidden && m.shared_w3.rows == m.inter &&
                   m.shared_w3.cols == m.hidden && m.shared_w2.rows == m.hidden && m.shared_w2.cols == m.inter,
@@ -1009,6 +1023,7 @@ bool moe_decode_mma(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int
 
   UpMmaParams up{};
   up.w1 = m.w1;
+  up.etiled = m.tiled ? 1 : 0;
   up.w1s = m.w1_scale;
   up.w3 = m.w3;
   up.w3s = m.w3_scale;
@@ -1044,6 +1059,7 @@ bool moe_decode_mma(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int
 
   DownMmaParams dn{};
   dn.w2 = m.w2;
+  dn.etiled = m.tiled ? 1 : 0;
   dn.w2s = m.w2_scale;
   if (has_shared) dn.sw2 = fp8_view(m.shared_w2);
   dn.D = D;
@@ -1095,6 +1111,7 @@ void moe_decode(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int T, 
   // ---- up
   UpParams up{};
   up.w1 = m.w1;
+  up.etiled = m.tiled ? 1 : 0;
   up.w1s = m.w1_scale;
   up.w3 = m.w3;
   up.w3s = m.w3_scale;
@@ -1131,6 +1148,7 @@ void moe_decode(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int T, 
   // ---- down + combine
   DownParams dn{};
   dn.w2 = m.w2;
+  dn.etiled = m.tiled ? 1 : 0;
   dn.w2s = m.w2_scale;
   if (m.shared_w2.data) dn.sw2 = fp8_view(m.shared_w2);
   dn.D = D;
@@ -1374,14 +1392,15 @@ void moe_prefill(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int T,
     q.block = 32;
     q.data = w;
     q.scale = s;
+    q.tiled = m.tiled;
     q.name = "expert";
     return q;
   };
   // gate/up of one expert (or the shared expert): rows n of input a -> gu rows
   auto up = [&](const QMatrix& q1, const QMatrix& q3, const void* a, int n, float* out) {
     if (n >= gmin) {
-      detail::dequant_raw(q1.fmt, q1.data, q1.scale, I, D, q1.block, ct, wd, stream);
-      detail::dequant_raw(q3.fmt, q3.data, q3.scale, I, D, q3.block, ct, wd + I * D * cs, stream);
+      detail::dequant_raw(q1.fmt, q1.data, q1.scale, I, D, q1.block, q1.tiled, ct, wd, stream);
+      detail::dequant_raw(q3.fmt, q3.data, q3.scale, I, D, q3.block, q3.tiled, ct, wd + I * D * cs, stream);
       gemm_dense(ct, a, D, n, wd, 2 * I, D, DType::F32, out, 2 * I, stream);
     } else {
       gemv(q1, ct, a, D, n, DType::F32, out, 2 * I, gv, stream);
@@ -1390,7 +1409,7 @@ void moe_prefill(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int T,
   };
   auto down = [&](const QMatrix& q2, const void* a, int n, float* out) {
     if (n >= gmin) {
-      detail::dequant_raw(q2.fmt, q2.data, q2.scale, D, I, q2.block, ct, wd, stream);
+      detail::dequant_raw(q2.fmt, q2.data, q2.scale, D, I, q2.block, q2.tiled, ct, wd, stream);
       gemm_dense(ct, a, I, n, wd, D, I, DType::F32, out, D, stream);
     } else {
       gemv(q2, ct, a, I, n, DType::F32, out, D, gv, stream);
