@@ -369,8 +369,15 @@ __global__ void __launch_bounds__(kThreads, 1) router_fused_kernel(const FusedPa
 #pragma unroll
   for (int q = 0; q < PMAX; ++q)
     if (key[q] != 0 && key[q] >= theta) {
+      // (8 loads in flight at a time: a loop of dependent shared loads took ~1 us, timeline)
       int rank = 0;
-      for (int l = 0; l < n; ++l) rank += cg[l] > key[q];
+      for (int l0 = 0; l0 < n; l0 += 8) {
+        unsigned long long c8[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) c8[u] = cg[l0 + u];  // (within kCandCap; entries >= n masked below)
+#pragma unroll
+        for (int u = 0; u < 8; ++u) rank += (l0 + u < n && c8[u] > key[q]) ? 1 : 0;
+      }
       if (rank < p.topk) {
         sel[g][rank] = j + q * G;
         ssel[g][rank] = sv[q];
@@ -380,8 +387,13 @@ __global__ void __launch_bounds__(kThreads, 1) router_fused_kernel(const FusedPa
   dev::trace_mark(43, g == 0);
   // weights as router_select_kernel: the sum in slot order
   if (j < p.topk) {
+    float sv8[kMaxK];
+#pragma unroll
+    for (int k = 0; k < kMaxK; ++k) sv8[k] = ssel[g][k];  // (all loads at once; unused slots hold 0)
     float sum = 0.0f;
-    for (int k = 0; k < p.topk; ++k) sum += ssel[g][k];
+#pragma unroll
+    for (int k = 0; k < kMaxK; ++k)
+      if (k < p.topk) sum += sv8[k];
     float w = ssel[g][j];
     if (p.norm && p.topk > 1) w = w / (sum + 1e-20f);
     p.ids[g * p.topk + j] = sel[g][j];
