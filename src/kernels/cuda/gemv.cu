@@ -9,6 +9,7 @@
 #include "kernels/cuda/gemv_ring_device.cuh"
 #include "kernels/cuda/gemv_launch.h"
 #include "kernels/cuda/gemv_stream.h"
+#include "kernels/cuda/signal_device.cuh"
 #include "util/error.h"
 
 namespace dsx::cuda {
@@ -78,17 +79,14 @@ __device__ __forceinline__ void pick_finish(unsigned long long best, const Param
   if (threadIdx.x == 0) {
     for (int w = 1; w < kWarps; ++w) best = wbest[w] > best ? wbest[w] : best;
     if (best) atomicMax(p.pick_key, best);
-    __threadfence();
-    if (atomicAdd(p.pick_ticket, 1u) == gridDim.x * gridDim.y * gridDim.z - 1) {
-      __threadfence();
+    // (the acquire-release ticket orders the atomicMax before it; resets the ticket)
+    if (dev::last_block_arrive(p.pick_ticket, gridDim.x * gridDim.y * gridDim.z)) {
       const unsigned long long k = atomicAdd(p.pick_key, 0ull);
       const float y0 = __ldcg(static_cast<const float*>(p.y));
       const int32_t id = (k == 0ull || isnan(y0)) ? 0 : static_cast<int32_t>(0xFFFFFFFFu - static_cast<uint32_t>(k));
       p.pick[0] = id;
       if (p.pick_copy) p.pick_copy[0] = id;
       *p.pick_key = 0ull;  // (every block has counted in)
-      *p.pick_ticket = 0u;
-      __threadfence();
     }
   }
 }

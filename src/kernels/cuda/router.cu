@@ -4,6 +4,7 @@
 #include "kernels/cuda/gemv_device.cuh"
 #include "kernels/cuda/gemv_launch.h"
 #include "kernels/cuda/pdl_device.cuh"
+#include "kernels/cuda/signal_device.cuh"
 #include "kernels/cuda/quant_act_device.cuh"
 #include "util/error.h"
 
@@ -308,22 +309,13 @@ __global__ void __launch_bounds__(kThreads, 1) router_fused_kernel(const FusedPa
   }
 
   dev::trace_mark(41);
-  // ---- last block done: every block publishes its logits (barrier, then fence and
-  // ticket by thread 0, the pattern of a grid barrier); the block drawing the last ticket
-  // resets the counter and, after a fence, reads the logits of all blocks from L2. The
+  // ---- last block done: every block publishes its logits (barrier, then thread 0's
+  // acquire-release ticket, dev::last_block_arrive); the block drawing the last ticket
+  // resets the counter and reads the logits of all blocks from L2. The
   // counter is touched only after pdl_wait, i.e. after the previous launch has completed
   // (and reset it), even when router launches follow each other directly.
   __syncthreads();
-  if (tid == 0) {
-    __threadfence();
-    const unsigned ticket = atomicAdd(p.counter, 1u);
-    const int last = ticket == gridDim.x - 1;
-    if (last) {
-      atomicExch(p.counter, 0u);  // every block has drawn its ticket
-      __threadfence();
-    }
-    is_last = last;
-  }
+  if (tid == 0) is_last = dev::last_block_arrive(p.counter, gridDim.x) ? 1 : 0;
   __syncthreads();
   dev::trace_mark(42, is_last != 0);
   if (!is_last) return;

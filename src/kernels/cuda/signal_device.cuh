@@ -66,4 +66,19 @@ __device__ __forceinline__ void signal_wait_block(unsigned* slot, unsigned need)
   __syncthreads();
 }
 
+// "Last block done" (a grid's blocks publish results, the last to arrive reads them all):
+// thread 0 of each block calls it after a __syncthreads() that follows the block's
+// writes; true in the block that arrives last, whose threads (after the next
+// __syncthreads()) see every block's writes. One acquire-release atomic instead of a
+// fence, a relaxed atomic and another fence (sequentially consistent fences wait longer:
+// the router's selection starts ~0.5 us earlier, s16). The last block puts the counter
+// back to zero; the next launch must touch it only after its grid-dependency wait.
+__device__ __forceinline__ bool last_block_arrive(unsigned* counter, unsigned nblocks) {
+  unsigned t;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(t) : "l"(counter) : "memory");
+  const bool last = t == nblocks - 1;
+  if (last) asm volatile("st.relaxed.gpu.global.u32 [%0], 0;" ::"l"(counter) : "memory");
+  return last;
+}
+
 }  // namespace dsx::cuda::dev
