@@ -337,6 +337,7 @@ __global__ void __launch_bounds__(kThreads, 1) router_fused_kernel(const FusedPa
       m = key[q] > m ? key[q] : m;
     }
   }
+  dev::trace_mark(44, g == 0);  // (trace builds: z loaded and scored)
   // theta_w: the m with exactly topk - 1 larger ones in the warp (the m != 0 are distinct)
   int larger = 0;
 #pragma unroll
@@ -345,6 +346,7 @@ __global__ void __launch_bounds__(kThreads, 1) router_fused_kernel(const FusedPa
   const unsigned long long theta_w = hit ? __shfl_sync(dev::kFull, m, __ffs(hit) - 1) : 0ull;
   if (lane == 0) th[warp] = theta_w;
   group_sync(g, G);
+  dev::trace_mark(45, g == 0);  // (theta)
   unsigned long long theta = 0;
 #pragma unroll
   for (int w = 0; w < W; ++w) theta = th[g * W + w] > theta ? th[g * W + w] : theta;
@@ -356,6 +358,7 @@ __global__ void __launch_bounds__(kThreads, 1) router_fused_kernel(const FusedPa
       if (pos < kCandCap) cg[pos] = key[q];
     }
   group_sync(g, G);
+  dev::trace_mark(46, g == 0);  // (candidates)
   // each candidate's owner ranks it; rank < topk -> slot rank (with its s, for the weights)
   const int n = min(ncand[g], kCandCap);
 #pragma unroll
