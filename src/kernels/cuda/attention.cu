@@ -710,7 +710,9 @@ __global__ void __launch_bounds__(HD) attn_combine_kernel(int H, int S, const fl
   __syncthreads();
   dev::trace_mark(31);
   float o = 0.0f;
-#pragma unroll 8
+  // (20 loads at once: the decode's 20 splits in one L2 round trip instead of three;
+  // 40 registers instead of 32, -4.5 us per 8-layer step, s16 run13)
+#pragma unroll 20
   for (int s = 0; s < S; ++s) o = fmaf(__ldcg(w0 + s * sstride + 2 + d), fs[s], o);
   float v = rnd<T>(o / den_s);
   if (inv_freq) {  // the conjugate rotation of pair (d, d ^ 1), as rope_lane(.., inverse = true)
