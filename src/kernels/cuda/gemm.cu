@@ -6,6 +6,7 @@
 #include <mutex>
 
 #include "kernels/cuda/gemm_internal.h"
+#include "kernels/cuda/gemv_device.cuh"  // WView
 #include "kernels/cuda/quant_act_device.cuh"
 #include "util/error.h"
 
@@ -54,13 +55,14 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int EPC = F == WFormat::FP8_BLOCK ? 16 : F == WFormat::MXFP4 ? 32 : F == WFormat::BF16 ? 8 : 4;
   const int64_t C = K / EPC;
   const int64_t total = N * C;
+  dev::WView W;  // (the data's addressing only: row-major or the tile layout)
+  W.w = w;
+  W.row_bytes = C * 16;
+  W.tiled = tiled;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * kThreads) {
     const int64_t n = i / C, c = i % C;
-    // chunk c of row n (16 bytes; row-major: chunk i of the matrix)
-    const int64_t rb = C * 16, b = c * 16;
-    const int64_t at = tiled ? (n >> 4) * (rb << 4) + ((b >> 6) << 10) + ((n & 15) << 6) + (b & 63) : i * 16;
-    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(w + at));
+    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(W.row_at(n) + W.byte_off(c * 16)));  // chunk c of row n
     const int64_t o = n * K + c * EPC;
     if constexpr (F == WFormat::FP8_BLOCK) {
       const float f = e8m0_to_f32(s[(n >> wshift) * sc_cols + ((c * 16) >> wshift)]);
