@@ -25,6 +25,18 @@ constexpr int kDownRPW = 2;  // rows per warp unit of the down projection
 
 size_t align256(size_t v) { return (v + 255) & ~static_cast<size_t>(255); }
 
+// The view of a routed expert's MXFP4 matrix with K inputs (K / 2 data bytes and K / 32
+// scales per row; tiled: MoeLayer::tiled).
+__device__ __forceinline__ dev::WView expert_view(const uint8_t* w, const uint8_t* s, int K, int tiled) {
+  dev::WView v;
+  v.w = w;
+  v.s = s;
+  v.row_bytes = K / 2;
+  v.sc_cols = K / 32;
+  v.tiled = tiled;
+  return v;
+}
+
 // ---------------------------------------------------------------------------------
 // Up projection: w1 / w3 of every (token, slot) + SwiGLU + routing weight + QA8 -> hq.
 struct UpParams {
@@ -73,13 +85,8 @@ __global__ void __launch_bounds__(kThreads) moe_up_kernel(const UpParams p) {
       if (routed) {
         const int e = p.ids[t * p.topk + j];
         wj = p.wts[t * p.topk + j];
-        v1.w = p.w1[e];
-        v1.s = p.w1s[e];
-        v3.w = p.w3[e];
-        v3.s = p.w3s[e];
-        v1.row_bytes = v3.row_bytes = p.D / 2;
-        v1.tiled = v3.tiled = p.etiled;
-        v1.sc_cols = v3.sc_cols = p.D / 32;
+        v1 = expert_view(p.w1[e], p.w1s[e], p.D, p.etiled);
+        v3 = expert_view(p.w3[e], p.w3s[e], p.D, p.etiled);
       } else {
         v1 = p.sw1;
         v3 = p.sw3;
@@ -187,12 +194,7 @@ __global__ void __launch_bounds__(kThreads) moe_down_kernel(const DownParams p) 
       for (int r = 0; r < kDownRPW; ++r) a[r][0] = 0.0f;
       if (j < p.topk) {
         const int e = p.ids[t * p.topk + j];
-        dev::WView v;
-        v.w = p.w2[e];
-        v.s = p.w2s[e];
-        v.row_bytes = p.I / 2;
-        v.tiled = p.etiled;
-        v.sc_cols = p.I / 32;
+        const dev::WView v = expert_view(p.w2[e], p.w2s[e], p.I, p.etiled);
         dev::warp_dot<WFormat::MXFP4, kDownRPW, 1, 4>(v, n0, p.D - 1, 0, p.I / 32, 0, xs_j, xq, a, lane);
       } else {
         dev::warp_dot<WFormat::FP8_BLOCK, kDownRPW, 1, 4>(p.sw2, n0, p.D - 1, 0, p.I / 16, 0, xs_j, xq, a, lane);
@@ -309,11 +311,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_mma_kernel(const UpMmaPara
     ntok = 1;
     const int e = p.ids[t * p.topk + j];
     wj = p.wts[t * p.topk + j];
-    v.w = m == 0 ? p.w1[e] : p.w3[e];
-    v.s = m == 0 ? p.w1s[e] : p.w3s[e];
-    v.row_bytes = p.D / 2;
-    v.tiled = p.etiled;
-    v.sc_cols = p.D / 32;
+    v = m == 0 ? expert_view(p.w1[e], p.w1s[e], p.D, p.etiled) : expert_view(p.w3[e], p.w3s[e], p.D, p.etiled);
   }
   float* sas = reinterpret_cast<float*>(bs + static_cast<int64_t>(ntok) * p.NB * 16);
   float* red = sas + static_cast<int64_t>(ntok) * p.NB;  // [8 warps][16 rows][8 tokens]
@@ -448,12 +446,7 @@ __device__ __forceinline__ void down_tile_out(const DownMmaParams& p, int t, int
     float2 r;
     if (it < p.topk) {
       const int e = p.ids[t * p.topk + it];
-      dev::WView v;
-      v.w = p.w2[e];
-      v.s = p.w2s[e];
-      v.row_bytes = p.I / 2;
-      v.tiled = p.etiled;
-      v.sc_cols = p.I / 32;
+      const dev::WView v = expert_view(p.w2[e], p.w2s[e], p.I, p.etiled);
       r = down_tile<WFormat::MXFP4>(v, row0, p.D - 1, 0, (p.I / 2 + 63) / 64, p.NBI,
                                     sm.bs_r + static_cast<int64_t>(it) * p.NBI * 16,
                                     sm.sas_r + static_cast<int64_t>(it) * p.NBI, lane, sm.bzero);
@@ -680,11 +673,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_ring_t1_kernel(const UpMma
       q.fp4 = false;
     } else {
       const int u = unit - p.n_sblocks, j = u / p.NTI;
-      q.v.w = tab[j][2 * m];
-      q.v.s = tab[j][2 * m + 1];
-      q.v.row_bytes = p.D / 2;
-      q.v.tiled = p.etiled;
-      q.v.sc_cols = p.D / 32;
+      q.v = expert_view(tab[j][2 * m], tab[j][2 * m + 1], p.D, p.etiled);
       q.row0 = static_cast<int64_t>(u % p.NTI) * 16;
       q.fp4 = true;
     }
@@ -834,11 +823,7 @@ __global__ void __launch_bounds__(kDownRingThreads, 1) moe_down_ring_t1_kernel(c
     int lo, hi;
     if (it < p.topk) {
       const int e = p.ids[it];
-      q.v.w = p.w2[e];
-      q.v.s = p.w2s[e];
-      q.v.row_bytes = p.I / 2;
-      q.v.tiled = p.etiled;
-      q.v.sc_cols = p.I / 32;
+      q.v = expert_view(p.w2[e], p.w2s[e], p.I, p.etiled);
       q.fp4 = true;
       lo = 0;
       hi = nspR;

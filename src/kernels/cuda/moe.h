@@ -35,7 +35,7 @@ struct MoeLayer {
   const uint8_t* const* w2 = nullptr;        // [E] -> [D, I/2]               (down proj)
   const uint8_t* const* w2_scale = nullptr;  // [E] -> [D, I/32]
   // The routed experts' data (w1, w3, w2 alike) in the 16-row tile layout (qmatrix.h);
-  // needs I % 16 == 0, D % 16 == 0, D / 2 % 64 == 0 and I / 2 % 64 == 0.
+  // needs shapes that fit it (moe_experts_tile16).
   bool tiled = false;
   // Shared expert, FP8_BLOCK (device pointers); shared_w1.data == nullptr: none.
   QMatrix shared_w1, shared_w3, shared_w2;   // [I, D], [I, D], [D, I]
@@ -44,8 +44,12 @@ struct MoeLayer {
 };
 
 // Whether MXFP4 experts [I, D] (w1, w3) and [D, I] (w2) all fit the tile layout.
-constexpr bool moe_experts_tile16(int64_t D, int64_t I) {
-  return D % 16 == 0 && I % 16 == 0 && (D / 2) % 64 == 0 && (I / 2) % 64 == 0;
+inline bool moe_experts_tile16(int64_t D, int64_t I) {
+  QMatrix up, down;
+  up.fmt = down.fmt = WFormat::MXFP4;
+  up.rows = down.cols = I;
+  up.cols = down.rows = D;
+  return tile16_fits(up) && tile16_fits(down);
 }
 
 // ---- decode: one or a few tokens, two launches, no host synchronisation ----------
