@@ -477,11 +477,13 @@ TEST(CudaMoe, RouterFeedsDecode) {
 // grid-dependency waits; the ids are overwritten with out-of-range values before each
 // router call). The results equal those of the same calls with a synchronisation in
 // between and without x_staged, bit for bit.
-TEST(CudaMoe, RouterThenStagedDecode) {
-  SKIP_WITHOUT_GPU();
-  std::mt19937_64 rng(38);
-  const int E = 384, topk = 6;
-  const int64_t D = 512, I = 96;
+// Small shapes (E = 384): every block of the up kernel walks one pair of units, three of
+// them the shared expert's only; release D and I (E = 16): 504 pairs on the resident
+// blocks, the first blocks stream a shared-expert pair before their wait, then routed ones.
+static void router_then_staged_decode(int E, int64_t D, int64_t I, uint64_t seed) {
+  SCOPED_TRACE(testing::Message() << "E " << E << " D " << D << " I " << I);
+  std::mt19937_64 rng(seed);
+  const int topk = 6;
   auto m = make_moe(E, D, I, true, 32, 32, false, rng);
   Gate gt = make_gate(E, D, rng);
   const DevMatrix& dg = gt.dg;
@@ -520,6 +522,12 @@ TEST(CudaMoe, RouterThenStagedDecode) {
     EXPECT_EQ(count_bit_diff(h, h0), 0u) << "hidden, rep " << rep;
   }
   DSX_CUDA_CHECK(cudaStreamDestroy(s));
+}
+
+TEST(CudaMoe, RouterThenStagedDecode) {
+  SKIP_WITHOUT_GPU();
+  router_then_staged_decode(384, 512, 96, 38);
+  router_then_staged_decode(16, 5120, 2304, 39);
 }
 
 #endif  // DSX_HAVE_CUDA

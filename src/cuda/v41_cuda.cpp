@@ -66,6 +66,13 @@ bool joint_q_enabled() {
   return v;
 }
 
+// DSX_JOINT_QKV=0: one-token decode launches wkv on its side stream beside wq_a (default:
+// one launch over both matrices, DevLayer::wq_a_kv, then kv_finish on the side stream)
+bool joint_qkv_enabled() {
+  static const bool v = env_int("DSX_JOINT_QKV", 1) != 0;
+  return v;
+}
+
 // DSX_BRANCHES=0: decode on the session stream only (no side-stream graph branches)
 bool branches_enabled() {
   static const bool v = env_int("DSX_BRANCHES", 1) != 0;
@@ -174,6 +181,10 @@ struct DevLayer {
   // products of the normalized q latent in one launch; rows == 0 where they are not
   // adjacent
   QMatrix wq_b_idx;
+  // wq_a and wkv as one matrix [q_lora_rank + head_dim, D] (Uploader::pair): one-token
+  // decode takes both products of the attention input in one launch on the session
+  // stream; rows == 0 where they are not adjacent
+  QMatrix wq_a_kv;
   // comp_wkv and comp_wgate (ratio > 1 KV sources) placed as a pair: both products of the
   // attention input in one launch (one token); rows == 0 where they are not adjacent
   QMatrix comp_kv_gate;
@@ -358,7 +369,8 @@ void upload_pass(Uploader& u, const ModelConfig& c, const ModelWeights* hw) {
     L.hc_attn_scale = u.vec(h ? h->hc_attn_scale : none, 3);
     L.hc_ffn_base = u.vec(h ? h->hc_ffn_base : none, static_cast<size_t>(mix), 0.0f, 0.1f);
     L.hc_ffn_scale = u.vec(h ? h->hc_ffn_scale : none, 3);
-    L.wq_a = mat(h ? &h->wq_a : nullptr, WFormat::FP8_BLOCK, ql, D, "wq_a");
+    L.wq_a_kv = u.pair(h ? h->wq_a : host_shape(WFormat::FP8_BLOCK, ql, D, B, "wq_a"),
+                       h ? h->wkv : host_shape(WFormat::FP8_BLOCK, hd, D, B, "wkv"), L.wq_a, L.wkv);
     L.q_norm = u.vec(h ? h->q_norm : none, static_cast<size_t>(ql));
     if (c.is_index_source(l)) {
       const int64_t ih = c.index_n_heads, ihd = c.index_head_dim;
@@ -368,7 +380,6 @@ void upload_pass(Uploader& u, const ModelConfig& c, const ModelWeights* hw) {
     } else {
       L.wq_b = mat(h ? &h->wq_b : nullptr, WFormat::FP8_BLOCK, H * hd, ql, "wq_b");
     }
-    L.wkv = mat(h ? &h->wkv : nullptr, WFormat::FP8_BLOCK, hd, D, "wkv");
     L.kv_norm = u.vec(h ? h->kv_norm : none, static_cast<size_t>(hd));
     L.wo_a = mat(h ? &h->wo_a : nullptr, WFormat::FP8_BLOCK, G * ol, H * hd / G, "wo_a");
     L.wo_b = mat(h ? &h->wo_b : nullptr, WFormat::FP8_BLOCK, D, G * ol, "wo_b");
@@ -661,6 +672,7 @@ class CudaSession : public Session {
   cudaStream_t side_[3] = {nullptr, nullptr, nullptr};
   float* side_ws_[3] = {nullptr, nullptr, nullptr};
   cudaEvent_t ev_fork_ = nullptr, ev_join_[4] = {nullptr, nullptr, nullptr, nullptr};
+  cudaEvent_t ev_kv_fork_ = nullptr;  // side 0 after the joint wq_a / wkv launch
   // decode: the hc_mix coefficients of a site (needed only by the next site's pass) are
   // computed on a side stream while the main stream normalises and goes on
   cudaStream_t side_hc_ = nullptr;
@@ -753,6 +765,7 @@ CudaSession::CudaSession(const DeviceModel& m, const EngineOptions& o)
   DSX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   for (auto& sd : side_) DSX_CUDA_CHECK(cudaStreamCreateWithPriority(&sd, cudaStreamNonBlocking, side_prio));
   DSX_CUDA_CHECK(cudaEventCreateWithFlags(&ev_fork_, cudaEventDisableTiming));
+  DSX_CUDA_CHECK(cudaEventCreateWithFlags(&ev_kv_fork_, cudaEventDisableTiming));
   for (auto& e : ev_join_) DSX_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   for (auto& e : ev_end_) DSX_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   DSX_CUDA_CHECK(cudaStreamCreateWithPriority(&side_hc_, cudaStreamNonBlocking, side_prio));
@@ -801,7 +814,7 @@ CudaSession::CudaSession(const DeviceModel& m, const EngineOptions& o)
   };
   for (const auto& L : m_.layers) {
     for (const QMatrix* q : {&L.hc_attn_fn, &L.hc_ffn_fn, &L.wq_a, &L.wq_b, &L.wkv, &L.wo_b, &L.comp_wkv,
-                             &L.comp_wgate, &L.idx_wq_b, &L.wq_b_idx, &L.idx_weights_proj, &L.gate, &L.engram_wkv})
+                             &L.comp_wgate, &L.idx_wq_b, &L.wq_b_idx, &L.wq_a_kv, &L.idx_weights_proj, &L.gate, &L.engram_wkv})
       consider(*q, true, 1);
     consider(L.wo_a, false, c_.o_groups);
   }
@@ -839,7 +852,7 @@ CudaSession::CudaSession(const DeviceModel& m, const EngineOptions& o)
     qf_ = static_cast<float*>(take(T * M * 4));
     Cf_ = static_cast<float*>(take(T * M * M * 4));
     hc_work_ = take(hc_work_bytes(static_cast<int>(T), D));
-    q_lat_ = take(T * ql * ab_);
+    q_lat_ = take((T * ql + hd) * ab_);  // (+ one token's kv row: the joint wq_a / wkv product)
     q_latn_ = take(T * ql * ab_);
     q_ = take((T * H * hd + ih * ihd) * ab_);  // (+ one token's idx_q: the joint wq_b / idx_wq_b product)
     kv_raw_ = take(T * hd * ab_);
@@ -912,6 +925,7 @@ CudaSession::~CudaSession() {
   for (auto& sd : side_)
     if (sd) cudaStreamDestroy(sd);
   if (ev_fork_) cudaEventDestroy(ev_fork_);
+  if (ev_kv_fork_) cudaEventDestroy(ev_kv_fork_);
   if (ev_hc_fork_) cudaEventDestroy(ev_hc_fork_);
   if (ev_hc_join_) cudaEventDestroy(ev_hc_join_);
   if (side_hc_) cudaStreamDestroy(side_hc_);
@@ -1164,28 +1178,43 @@ void CudaSession::attention(int l, int T) {
   // session stream, the window KV on side 0, the compressor on side 1 and the indexer
   // weights on side 2; they join before the indexer scoring (compressor row, indexer
   // weights) and the attention (window KV, projection store). Prefill (and profiling)
-  // keeps one stream.
+  // keeps one stream. One token: wkv with wq_a (§3.4.1) in one launch on the session
+  // stream (L.wq_a_kv; the kv row lands after q_lat_'s), side 0 forked after it for
+  // kv_finish (wkv launched on side 0 started late, its blocks held SMs the wq_b after
+  // wq_a needed, and wq_b ended up to 8 us late in half the layers: s17 kernel timelines).
   const bool branch = branches(T);
+  const bool joint_qkv = T == 1 && L.wq_a_kv.rows > 0 && joint_qkv_enabled();
   cudaStream_t s_kv = branch ? side_[0] : stream_, s_cmp = branch ? side_[1] : stream_,
                s_iw = branch ? side_[2] : stream_;
   const bool idx_w = r > 0 && c_.is_index_source(l);  // (the indexer weights: their own branch)
   const bool proj_store_on = r > 1 && c_.is_kv_source(l);  // (side 1 ends with it: ev_join_[3])
   if (branch) {
     DSX_CUDA_CHECK(cudaEventRecord(ev_fork_, stream_));
-    for (int i = 0; i < (idx_w ? 3 : 2); ++i) DSX_CUDA_CHECK(cudaStreamWaitEvent(side_[i], ev_fork_, 0));
+    for (int i = joint_qkv ? 1 : 0; i < (idx_w ? 3 : 2); ++i)
+      DSX_CUDA_CHECK(cudaStreamWaitEvent(side_[i], ev_fork_, 0));
     side_used_ |= idx_w ? 7 : 3;
   }
   if (idx_w) {
     lin(L.idx_weights_proj, a_, D, T, act_, idx_w_, c_.index_n_heads, false, 1, s_iw);
     if (branch) DSX_CUDA_CHECK(cudaEventRecord(ev_join_[2], s_iw));
   }
-  // §3.4.2 window KV
-  lin(L.wkv, a_, D, T, act_, kv_raw_, hd, true, 1, s_kv, staged_x(xst_attn_, T));
+  // §3.4.2 window KV (one token: with wq_a)
+  void* kv_in = kv_raw_;
+  if (joint_qkv) {
+    lin(L.wq_a_kv, a_, D, T, act_, q_lat_, ql + hd, true, 1, nullptr, staged_x(xst_attn_, T));
+    kv_in = static_cast<char*>(q_lat_) + ql * ab_;
+    if (branch) {
+      DSX_CUDA_CHECK(cudaEventRecord(ev_kv_fork_, stream_));
+      DSX_CUDA_CHECK(cudaStreamWaitEvent(s_kv, ev_kv_fork_, 0));
+    }
+  } else {
+    lin(L.wkv, a_, D, T, act_, kv_raw_, hd, true, 1, s_kv, staged_x(xst_attn_, T));
+  }
   prof_.mark("wkv", stream_);
   // decode: the row also goes straight into the window ring (no window_store launch
   // after the attention on the critical path)
   const Fq8Rows ring = cache_.window(l);
-  kv_finish(act_, kv_raw_, L.kv_norm, c_.rms_eps, T, static_cast<int>(hd), np, inv_freq, cache_.d_pos(), chunk_, s_kv,
+  kv_finish(act_, kv_in, L.kv_norm, c_.rms_eps, T, static_cast<int>(hd), np, inv_freq, cache_.d_pos(), chunk_, s_kv,
             T == 1 ? &ring : nullptr, cache_.geometry().window_cap());
   if (branch) DSX_CUDA_CHECK(cudaEventRecord(ev_join_[0], s_kv));
   prof_.mark("kv_finish", stream_);
@@ -1224,8 +1253,8 @@ void CudaSession::attention(int l, int T) {
   } else if (branch) {
     DSX_CUDA_CHECK(cudaEventRecord(ev_join_[1], s_cmp));
   }
-  // §3.4.1 queries
-  lin(L.wq_a, a_, D, T, act_, q_lat_, ql, true, 1, nullptr, staged_x(xst_attn_, T));
+  // §3.4.1 queries (one token: with wkv above)
+  if (!joint_qkv) lin(L.wq_a, a_, D, T, act_, q_lat_, ql, true, 1, nullptr, staged_x(xst_attn_, T));
   prof_.mark("wq_a", stream_);
   // q_norm, then wq_b (RoPE: in the attention, aa.q_inv_freq); the normalized rows land in
   // q_latn_ for the indexer. One token: the norm is done by wq_b's kernel while it stages

@@ -111,6 +111,7 @@ __global__ void kv_finish_kernel(const T* __restrict__ kv, const float* __restri
                                  const float* __restrict__ inv_freq, const int64_t* __restrict__ d_pos,
                                  uint8_t* __restrict__ codes, uint8_t* __restrict__ scales,
                                  uint8_t* __restrict__ ring_codes, uint8_t* __restrict__ ring_scales, int ring_cap) {
+  dev::trace_block(70);
   __shared__ double red[32];
   const int64_t row = blockIdx.x;
   const int d = threadIdx.x;

@@ -320,6 +320,7 @@ __global__ void __launch_bounds__(kThreads, R ? 1 : 2) gemv_mma_kernel(const Mma
   }
   dev::pdl_launch_dependents();
   dev::trace_mark(51);
+  dev::trace_block(55);
   const uint32_t* bzero = reinterpret_cast<const uint32_t*>(s_zero);
 
   const int g = lane >> 2;
@@ -374,6 +375,7 @@ __global__ void __launch_bounds__(kThreads, R ? 1 : 2) gemv_mma_kernel(const Mma
   }
   if constexpr (R) dev::cp_async_wait<0>();  // (only empty copies remain)
   dev::trace_mark(52);
+  dev::trace_block(56);
   if (p.KS > 1) {
     // out_staged (T = 1, TPB even: a block's tiles of a round come in pairs, one QA8 block
     // each): the rows' values as stored, kept for the pairs' quantization below

@@ -634,6 +634,7 @@ struct DownStage {
 template <int U>
 __global__ void __launch_bounds__(kThreads, 2) moe_up_ring_t1_kernel(const UpMmaParams p) {
   extern __shared__ __align__(128) uint4 smem_mma[];
+  dev::trace_block(60);
   __shared__ uint4 s_zero[4];
   __shared__ const uint8_t* tab[kMaxSlots][4];
   __shared__ float twt[kMaxSlots];
@@ -713,6 +714,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_ring_t1_kernel(const UpMma
     twt[threadIdx.x] = p.wts[threadIdx.x];
   }
   __syncthreads();
+  dev::trace_block(61);
   if (!early) st.start();
   for (int i = threadIdx.x; i < p.max_units; i += blockDim.x) ucnt[i] = 0;
   // without a staged x (copied before the wait), the block quantizes x itself
@@ -775,6 +777,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_ring_t1_kernel(const UpMma
     }
   }
   st.finish();
+  dev::trace_block(62);
 }
 
 // Down projection of one token, a persistent grid walking the 16-row tiles of D, 16
@@ -790,6 +793,7 @@ constexpr int kDownRingThreads = kDownRingWarps * 32;
 template <int U>
 __global__ void __launch_bounds__(kDownRingThreads, 1) moe_down_ring_t1_kernel(const DownMmaParams p) {
   extern __shared__ __align__(128) uint4 smem_mma[];
+  dev::trace_block(63);
   __shared__ uint4 s_zero[4];
   __shared__ int order[kMaxSlots];
   if (threadIdx.x < 4) s_zero[threadIdx.x] = make_uint4(0, 0, 0, 0);
@@ -854,6 +858,7 @@ __global__ void __launch_bounds__(kDownRingThreads, 1) moe_down_ring_t1_kernel(c
   for (int i = threadIdx.x; i < p.max_tiles; i += blockDim.x) tcnt[i] = 0;
   dev::copy_to_smem(base, p.hst, ds.words);
   __syncthreads();
+  dev::trace_block(64);
   dev::pdl_launch_dependents();
   for (int ti = 0; ti < my_tiles; ++ti) {
     // No barrier per tile: a warp leaves its pieces' sums in the tile's own slot of
@@ -892,6 +897,7 @@ __global__ void __launch_bounds__(kDownRingThreads, 1) moe_down_ring_t1_kernel(c
     }
   }
   st.finish();
+  dev::trace_block(65);
 }
 
 struct DecodeLayout {

@@ -54,6 +54,20 @@ __device__ __forceinline__ void trace_mark(unsigned tag) {
   trace_mark(tag, (blockIdx.x | blockIdx.y | blockIdx.z) == 0);
 }
 
+// Per-block timeline marks (DSX_KERNEL_TRACE builds only): thread 0 of every block records
+// the time it passed this point with its block index and SM (t_wait = blockIdx.x << 32 |
+// smid; block field 0xC0000000 | tag); trace_timeline.py --blocks summarizes them.
+__device__ __forceinline__ void trace_block([[maybe_unused]] unsigned tag) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(DSX_KERNEL_TRACE)
+  if (g_trace_buf && (threadIdx.x | threadIdx.y) == 0) {
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    trace_put(TraceRec{(static_cast<unsigned long long>(blockIdx.x) << 32) | smid, global_ns(),
+                       gridDim.x | (gridDim.y << 16), 0xC0000000u | tag});
+  }
+#endif
+}
+
 // Lets the next kernel of the stream start launching (it still waits in pdl_wait).
 __device__ __forceinline__ void pdl_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
