@@ -73,6 +73,15 @@ bool joint_qkv_enabled() {
   return v;
 }
 
+// DSX_SIDE_BPS=n: one-wave streaming products on side streams (the compressor's BF16
+// comp_kv_gate, the indexer weights) take at most n blocks per SM (0: as many as fit).
+// s17 timelines: the compressor's 396 blocks filled every SM at the side streams' high
+// priority, and the joint wq_b / idx_wq_b launched after them waited ~5 us for SMs.
+int side_blocks_per_sm() {
+  static const int v = env_int("DSX_SIDE_BPS", 1);
+  return v;
+}
+
 // DSX_BRANCHES=0: decode on the session stream only (no side-stream graph branches)
 bool branches_enabled() {
   static const bool v = env_int("DSX_BRANCHES", 1) != 0;
@@ -943,7 +952,10 @@ GemvOpts CudaSession::gemv_opts(bool qa8, int groups, cudaStream_t st) const {
   o.groups = groups;
   o.split_ws = gemv_ws_;
   for (size_t i = 0; i < std::size(side_); ++i)
-    if (st == side_[i]) o.split_ws = side_ws_[i];
+    if (st == side_[i]) {
+      o.split_ws = side_ws_[i];
+      o.max_blocks_per_sm = side_blocks_per_sm();
+    }
   o.split_ws_bytes = gemv_ws_bytes_;
   return o;
 }

@@ -71,6 +71,10 @@ struct GemvOpts {
   // allocated by gemv_pick_reserve, or on the first call outside a stream capture.
   int32_t* pick = nullptr;
   int32_t* pick_copy = nullptr;
+  // Optional: at most this many resident blocks per SM for the one-wave streaming kernel
+  // (0: as many as fit). A product on a side stream beside the critical chain (the
+  // compressor's) leaves SMs to the chain's next launch.
+  int max_blocks_per_sm = 0;
 };
 
 // Allocates GemvOpts::pick's workspace for `pick` (outside a stream capture).

@@ -51,6 +51,7 @@ struct StreamParams {
   void* y;
   int yt;
   int64_t ldy;
+  int bps_cap;  // (host) most blocks per SM, 0: no cap (GemvOpts::max_blocks_per_sm)
 };
 
 template <WFormat F, int TT, int U, int CPS>
@@ -160,7 +161,8 @@ bool launch_stream(const StreamParams& base, cudaStream_t stream) {
   // one wave of resident blocks (at most one per row); a block stages the activations
   // of the groups its rows span
   const int sms = sm_count();
-  int64_t blocks = std::min<int64_t>(p.rows, 4LL * sms);
+  const int cap = p.bps_cap > 0 ? std::min(p.bps_cap, 4) : 4;
+  int64_t blocks = std::min<int64_t>(p.rows, static_cast<int64_t>(cap) * sms);
   int64_t span = 1;
   size_t smem = 0;
   auto size_for = [&](int64_t nb) {
@@ -171,7 +173,7 @@ bool launch_stream(const StreamParams& base, cudaStream_t stream) {
   for (int it = 0; it < 3; ++it) {
     size_for(blocks);
     if (smem > kSmemCap || smem > detail::max_dynamic_smem(kern)) return false;
-    const int occ = detail::occupancy(kern, kThreads, smem);
+    const int occ = std::min(cap, detail::occupancy(kern, kThreads, smem));
     const int64_t nb = std::min<int64_t>(p.rows, static_cast<int64_t>(occ) * sms);
     if (nb >= blocks) break;  // fits in one wave
     blocks = nb;
@@ -249,6 +251,7 @@ bool gemv_stream(const QMatrix& W, const dev::WView& wv, DType xt, const void* x
   p.y = y;
   p.yt = static_cast<int>(yt);
   p.ldy = ldy;
+  p.bps_cap = o.max_blocks_per_sm;
   switch (W.fmt) {
     case WFormat::FP8_BLOCK: return launch_fmt<WFormat::FP8_BLOCK>(p, T, stream);
     case WFormat::MXFP4: return launch_fmt<WFormat::MXFP4>(p, T, stream);
