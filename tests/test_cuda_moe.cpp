@@ -479,7 +479,8 @@ TEST(CudaMoe, RouterFeedsDecode) {
 // between and without x_staged, bit for bit.
 // Small shapes (E = 384): every block of the up kernel walks one pair of units, three of
 // them the shared expert's only; release D and I (E = 16): 504 pairs on the resident
-// blocks, the first blocks stream a shared-expert pair before their wait, then routed ones.
+// blocks, the first blocks issue their shared-expert pair's first copies before their
+// wait, then walk routed pairs too.
 static void router_then_staged_decode(int E, int64_t D, int64_t I, uint64_t seed) {
   SCOPED_TRACE(testing::Message() << "E " << E << " D " << D << " I " << I);
   std::mt19937_64 rng(seed);

@@ -123,17 +123,32 @@ bool uses_qa8(const QMatrix& W, const GemmOpts& o) {
 
 namespace detail {
 
-void dequant_raw(WFormat fmt, const uint8_t* w, const uint8_t* s, int64_t N, int64_t K, int block, bool tiled,
-                 DType out, void* dst, cudaStream_t stream) {
+void convert2d(DType xt, const void* x, int64_t ldx, DType yt, void* y, int64_t ldy, int64_t rows, int64_t cols,
+               cudaStream_t stream) {
+  const int64_t total = rows * cols;
+  if (total <= 0) return;
+  const int64_t blocks = std::min<int64_t>((total + 255) / 256, static_cast<int64_t>(sm_count()) * 16);
+  convert2d_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(x, static_cast<int>(xt), ldx, y,
+                                                                      static_cast<int>(yt), ldy, rows, cols);
+  DSX_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace detail
+
+void dequant(const QMatrix& W, DType out, void* dst, cudaStream_t stream) {
+  const WFormat fmt = W.fmt;
+  const uint8_t *w = W.data, *s = W.scale;
+  const int64_t N = W.rows, K = W.cols;
+  const int block = W.block;
   DSX_CHECK(K % 32 == 0, "dequant: K=", K, " must be a multiple of 32");
-  DSX_CHECK(aligned16(w) && aligned16(dst), "dequant: pointers must be 16-byte aligned");
+  DSX_CHECK(detail::aligned16(w) && detail::aligned16(dst), "dequant: pointers must be 16-byte aligned");
   const int epc = fmt == WFormat::FP8_BLOCK ? 16 : fmt == WFormat::MXFP4 ? 32 : fmt == WFormat::BF16 ? 8 : 4;
   const int64_t total = N * (K / epc);
   if (total <= 0) return;
   const int64_t blocks = std::min<int64_t>((total + kThreads - 1) / kThreads, static_cast<int64_t>(sm_count()) * 16);
   const int ob = out == DType::BF16 ? 1 : 0;
-  const int ti = tiled ? 1 : 0;
-  DSX_CHECK(!tiled || ((fmt == WFormat::FP8_BLOCK || fmt == WFormat::MXFP4) && N % 16 == 0 && (K / epc) % 4 == 0),
+  const int ti = W.tiled ? 1 : 0;
+  DSX_CHECK(!W.tiled || tile16_fits(W),
             "dequant: the tile layout needs FP8 / MXFP4 data of whole 16-row tiles and 64-byte spans");
   const unsigned g = static_cast<unsigned>(blocks);
   switch (fmt) {
@@ -150,22 +165,6 @@ void dequant_raw(WFormat fmt, const uint8_t* w, const uint8_t* s, int64_t N, int
     case WFormat::F32: dequant_kernel<WFormat::F32><<<g, kThreads, 0, stream>>>(w, s, N, K, 0, 0, 0, ob, dst); break;
   }
   DSX_CUDA_CHECK(cudaGetLastError());
-}
-
-void convert2d(DType xt, const void* x, int64_t ldx, DType yt, void* y, int64_t ldy, int64_t rows, int64_t cols,
-               cudaStream_t stream) {
-  const int64_t total = rows * cols;
-  if (total <= 0) return;
-  const int64_t blocks = std::min<int64_t>((total + 255) / 256, static_cast<int64_t>(sm_count()) * 16);
-  convert2d_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(x, static_cast<int>(xt), ldx, y,
-                                                                      static_cast<int>(yt), ldy, rows, cols);
-  DSX_CUDA_CHECK(cudaGetLastError());
-}
-
-}  // namespace detail
-
-void dequant(const QMatrix& W, DType out, void* dst, cudaStream_t stream) {
-  detail::dequant_raw(W.fmt, W.data, W.scale, W.rows, W.cols, W.block, W.tiled, out, dst, stream);
 }
 
 void gemm_dense(DType ct, const void* a, int64_t lda, int T, const void* wd, int64_t N, int64_t K, DType yt, void* y,

@@ -10,11 +10,6 @@
 
 namespace dsx::cuda::detail {
 
-// Dense [N, K] copy (row stride K) of a weight given by raw device pointers (tiled: the
-// data in the 16-row tile layout of qmatrix.h).
-void dequant_raw(WFormat fmt, const uint8_t* w, const uint8_t* s, int64_t N, int64_t K, int block, bool tiled,
-                 DType out, void* dst, cudaStream_t stream);
-
 // y[r, c] = x[r, c] converted (strided 2-D copy).
 void convert2d(DType xt, const void* x, int64_t ldx, DType yt, void* y, int64_t ldy, int64_t rows, int64_t cols,
                cudaStream_t stream);

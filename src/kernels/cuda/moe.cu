@@ -1394,8 +1394,8 @@ void moe_prefill(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int T,
   // gate/up of one expert (or the shared expert): rows n of input a -> gu rows
   auto up = [&](const QMatrix& q1, const QMatrix& q3, const void* a, int n, float* out) {
     if (n >= gmin) {
-      detail::dequant_raw(q1.fmt, q1.data, q1.scale, I, D, q1.block, q1.tiled, ct, wd, stream);
-      detail::dequant_raw(q3.fmt, q3.data, q3.scale, I, D, q3.block, q3.tiled, ct, wd + I * D * cs, stream);
+      dequant(q1, ct, wd, stream);  // (q1, q3: [I, D])
+      dequant(q3, ct, wd + I * D * cs, stream);
       gemm_dense(ct, a, D, n, wd, 2 * I, D, DType::F32, out, 2 * I, stream);
     } else {
       gemv(q1, ct, a, D, n, DType::F32, out, 2 * I, gv, stream);
@@ -1404,7 +1404,7 @@ void moe_prefill(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int T,
   };
   auto down = [&](const QMatrix& q2, const void* a, int n, float* out) {
     if (n >= gmin) {
-      detail::dequant_raw(q2.fmt, q2.data, q2.scale, D, I, q2.block, q2.tiled, ct, wd, stream);
+      dequant(q2, ct, wd, stream);  // ([D, I])
       gemm_dense(ct, a, I, n, wd, D, I, DType::F32, out, D, stream);
     } else {
       gemv(q2, ct, a, I, n, DType::F32, out, D, gv, stream);
