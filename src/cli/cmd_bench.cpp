@@ -18,7 +18,7 @@
 #include "util/error.h"
 #include "util/threadpool.h"
 #ifdef DSX_HAVE_CUDA
-#include "cuda/v41_cuda.h"
+#include "backend/cuda/v41_cuda.h"
 #endif
 
 namespace dsx::cli {

@@ -6,7 +6,7 @@
 #include <cstring>
 #include <numeric>
 
-#include "kernels/cpu/ops.h"
+#include "model/cpu/ops.h"
 #include "model/v41_cpu.h"  // ForwardDebug
 #include "util/error.h"
 

@@ -21,10 +21,10 @@
 #include <limits>
 #include <vector>
 
-#include "kernels/qmatrix.h"
+#include "model/qmatrix.h"
 #include "model/config.h"
 #include "model/rope.h"
-#include "runtime/kv_state.h"
+#include "model/kv_state.h"
 
 namespace dsx {
 

@@ -10,7 +10,7 @@
 #include "model/engram.h"
 #include "model/rope.h"
 #include "model/weights.h"
-#include "runtime/kv_state.h"
+#include "model/kv_state.h"
 
 namespace dsx {
 

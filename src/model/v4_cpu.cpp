@@ -23,8 +23,8 @@
 #include <immintrin.h>
 #endif
 
-#include "kernels/cpu/ops.h"
-#include "kernels/cpu/quant.h"
+#include "model/cpu/ops.h"
+#include "model/cpu/quant.h"
 #include "model/cpu_common.h"
 #include "util/error.h"
 #include "util/threadpool.h"

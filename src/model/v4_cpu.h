@@ -24,7 +24,7 @@
 #include "model/rope.h"
 #include "model/v41_cpu.h"  // ForwardDebug
 #include "model/weights_v4.h"
-#include "runtime/kv_state.h"
+#include "model/kv_state.h"
 
 namespace dsx {
 

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/qmatrix.h"
+#include "model/qmatrix.h"
 #include "model/config.h"
 #include "util/safetensors.h"
 

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/qmatrix.h"
+#include "model/qmatrix.h"
 #include "model/config.h"
 #include "model/weights.h"  // ModelFiles
 

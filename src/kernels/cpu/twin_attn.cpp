@@ -4,9 +4,9 @@
 #include <cmath>
 #include <limits>
 
-#include "kernels/cpu/linear.h"
-#include "kernels/cpu/ops.h"
-#include "kernels/cpu/quant.h"
+#include "model/cpu/linear.h"
+#include "model/cpu/ops.h"
+#include "model/cpu/quant.h"
 #include "model/cpu_common.h"
 #include "util/numerics.h"
 

@@ -10,7 +10,7 @@
 #include <random>
 #include <vector>
 
-#include "kernels/qmatrix.h"
+#include "model/qmatrix.h"
 
 namespace dsx::cpu::twin {
 

@@ -6,7 +6,7 @@
 
 #include "kernels/cuda/gemv_launch.h"
 #include "kernels/cuda/quant_act.h"
-#include "kernels/qmatrix.h"
+#include "model/qmatrix.h"
 
 namespace dsx::cuda::detail {
 

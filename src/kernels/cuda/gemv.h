@@ -20,7 +20,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/quant_act.h"
-#include "kernels/qmatrix.h"
+#include "model/qmatrix.h"
 
 namespace dsx::cuda {
 

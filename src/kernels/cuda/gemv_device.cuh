@@ -18,7 +18,7 @@
 #include "kernels/cuda/cp_async_device.cuh"
 #include "kernels/cuda/pdl_device.cuh"
 #include "kernels/cuda/quant_act_device.cuh"
-#include "kernels/qmatrix.h"
+#include "model/qmatrix.h"
 
 namespace dsx::cuda::dev {
 

@@ -37,7 +37,7 @@
 
 #include "kernels/cuda/cuda_util.h"
 #include "model/config.h"
-#include "runtime/kv_state.h"
+#include "model/kv_state.h"
 
 namespace dsx::cuda {
 

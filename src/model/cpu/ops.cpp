@@ -1,4 +1,4 @@
-#include "kernels/cpu/ops.h"
+#include "model/cpu/ops.h"
 
 namespace dsx::cpu {
 

@@ -1,4 +1,4 @@
-#include "cuda/step_kernels.h"
+#include "backend/cuda/step_kernels.h"
 
 #include "kernels/cuda/cuda_util.h"
 #include "util/numerics.h"

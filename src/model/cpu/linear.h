@@ -3,7 +3,7 @@
 #pragma once
 #include <cstdint>
 
-#include "kernels/qmatrix.h"
+#include "model/qmatrix.h"
 
 namespace dsx::cpu {
 

@@ -1,4 +1,4 @@
-#include "kernels/cpu/quant.h"
+#include "model/cpu/quant.h"
 
 #include <algorithm>
 #include <cmath>

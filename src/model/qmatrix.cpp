@@ -1,4 +1,4 @@
-#include "kernels/qmatrix.h"
+#include "model/qmatrix.h"
 
 #include <algorithm>
 #include <cstring>

@@ -1,6 +1,6 @@
 // DeepSeek V4.1 forward on the GPU. The structure follows V41Cpu::forward (spec
 // model-v41.md §3.7); section numbers refer to the spec.
-#include "cuda/v41_cuda.h"
+#include "backend/cuda/v41_cuda.h"
 
 #include <cuda_runtime.h>
 
@@ -16,7 +16,7 @@
 #include <random>
 #include <string>
 
-#include "cuda/step_kernels.h"
+#include "backend/cuda/step_kernels.h"
 #include "kernels/cuda/argmax.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/compressor.h"
@@ -34,7 +34,7 @@
 #include "model/engram.h"
 #include "model/rope.h"
 #include "model/weights.h"
-#include "runtime/kv_state.h"
+#include "model/kv_state.h"
 #include "util/error.h"
 
 namespace dsx {

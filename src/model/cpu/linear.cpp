@@ -1,4 +1,4 @@
-#include "kernels/cpu/linear.h"
+#include "model/cpu/linear.h"
 
 #include <algorithm>
 #include <vector>

@@ -1,4 +1,4 @@
-#include "runtime/kv_state.h"
+#include "model/kv_state.h"
 
 #include <cstring>
 
