@@ -13,11 +13,15 @@ namespace {
 
 constexpr int kN = static_cast<int>(Id::kCount);
 
-const std::vector<Info> kInfos = {
+// (a function-local static: a reader in another file's static initializer finds it built)
+const std::vector<Info>& infos() {
+  static const std::vector<Info> v = {
 #define DSX_SWITCH(id, kind, dflt, doc) {Id::id, #id, Kind::kind, dflt, doc},
 #include "util/switches.def"
 #undef DSX_SWITCH
-};
+  };
+  return v;
+}
 
 struct Slot {
   std::atomic<int64_t> value{0};  // Int / Bool
@@ -44,7 +48,7 @@ class Registry {
  public:
   Registry() {
     for (int i = 0; i < kN; ++i) {
-      const Info& in = kInfos[static_cast<size_t>(i)];
+      const Info& in = infos()[static_cast<size_t>(i)];
       Slot& s = slots_[i];
       const std::string name = std::string("DSX_") + in.name;
       const char* e = std::getenv(name.c_str());
@@ -58,7 +62,7 @@ class Registry {
 
   // value from override / environment / default (the slot's text is already set for an override)
   void load(int i) {
-    const Info& in = kInfos[static_cast<size_t>(i)];
+    const Info& in = infos()[static_cast<size_t>(i)];
     Slot& s = slots_[i];
     if (!s.overridden) s.text = s.from_env ? s.env_text : in.dflt;
     s.value.store(parse(in, s.text, s.overridden ? "override" : (s.from_env ? "environment:" : "default:")));
@@ -75,8 +79,8 @@ Registry& reg() {
 
 }  // namespace
 
-const std::vector<Info>& all() { return kInfos; }
-const Info& info(Id id) { return kInfos[static_cast<size_t>(id)]; }
+const std::vector<Info>& all() { return infos(); }
+const Info& info(Id id) { return infos()[static_cast<size_t>(id)]; }
 
 int64_t get_int(Id id) { return reg().slot(id).value.load(std::memory_order_relaxed); }
 
@@ -128,7 +132,7 @@ Scoped::~Scoped() {
 
 std::string describe() {
   std::string out;
-  for (const Info& in : kInfos) {
+  for (const Info& in : infos()) {
     const std::string v = get_str(in.id);
     Registry& r = reg();
     bool env, ovr;
