@@ -35,6 +35,7 @@
 #include "kernels/cuda/router.h"
 #include "runtime/sampler.h"
 #include "util/numerics.h"
+#include "util/switches.h"
 
 using namespace dsx;
 using dsx::cuda::DeviceBuffer;
@@ -357,10 +358,11 @@ std::vector<float> wide_range_acts(int64_t T, int64_t K, std::mt19937_64& rng) {
   return x;
 }
 
-// The default kernel choice is in force (tests that name the kernel a call must take).
+// The default kernel choice is in force (tests that name the kernel a call must take):
+// no switch that picks another GEMV kernel is set (environment or sw::set).
 bool default_gemv_switches() {
-  for (const char* v : {"DSX_GEMV_MMA", "DSX_GEMV_STREAM", "DSX_MMA_RING", "DSX_MMA_NOQA", "DSX_MMA_KS"})
-    if (std::getenv(v)) return false;
+  for (sw::Id id : {sw::Id::GEMV_MMA, sw::Id::GEMV_STREAM, sw::Id::MMA_RING, sw::Id::MMA_NOQA, sw::Id::MMA_KS})
+    if (sw::is_set(id)) return false;
   return true;
 }
 }  // namespace

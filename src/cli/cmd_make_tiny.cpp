@@ -13,6 +13,7 @@
 #include "text/tokenizer.h"
 #include "util/error.h"
 #include "util/mmap_file.h"
+#include "util/switches.h"
 
 namespace dsx::cli {
 
@@ -20,7 +21,7 @@ namespace {
 
 // Where scripts/fetch-tokenizer.sh puts the DeepSeek V3 base tokenizer.
 std::string default_tokenizer_base() {
-  if (const char* e = std::getenv("DSX_TOKENIZER_BASE")) return e;
+  if (std::string e = sw::get_str(sw::Id::TOKENIZER_BASE); !e.empty()) return e;
   std::string cache;
   if (const char* x = std::getenv("XDG_CACHE_HOME")) cache = std::string(x) + "/dsx";
   else if (const char* h = std::getenv("HOME")) cache = std::string(h) + "/.cache/dsx";

@@ -2,11 +2,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <climits>
 #include <condition_variable>
-#include <cstdlib>
+#include <cstdint>
 #include <mutex>
 #include <thread>
 #include <vector>
+
+#include "util/switches.h"
 
 namespace dsx {
 
@@ -100,10 +103,7 @@ class Pool {
 };
 
 int default_threads() {
-  if (const char* e = std::getenv("DSX_THREADS")) {
-    int v = std::atoi(e);
-    if (v > 0) return v;
-  }
+  if (const int64_t v = sw::get_int(sw::Id::THREADS); v > 0) return static_cast<int>(std::min<int64_t>(v, INT_MAX));
   unsigned hc = std::thread::hardware_concurrency();
   return hc ? static_cast<int>(hc) : 1;
 }

@@ -11,6 +11,7 @@
 #include "kernels/cuda/gemv_stream.h"
 #include "kernels/cuda/signal_device.cuh"
 #include "util/error.h"
+#include "util/switches.h"
 
 namespace dsx::cuda {
 
@@ -416,51 +417,26 @@ __global__ void __launch_bounds__(kThreads, R ? 1 : 2) gemv_mma_kernel(const Mma
 
 }  // namespace
 
-// Runtime switches (read once): DSX_GEMV_MMA = 0 (off), 1 (BF16 mode, default), 2 (also
-// F32 mode); DSX_MMA_CVT = 1 uses the hardware e4m3 -> f16 conversion for FP8 weights;
-// DSX_PDL = 0 launches without programmatic dependent launch (default: with);
-// DSX_MMA_U = 4 / 8 forces the spans in flight per lane (default: per shape).
-int gemv_mma_mode() {
-  static const int v = env_int("DSX_GEMV_MMA", 1);
-  return v;
-}
-bool gemv_mma_hwcvt() {
-  static const bool v = env_int("DSX_MMA_CVT", 0) != 0;
-  return v;
-}
-bool pdl_enabled() {
-  static const bool v = env_int("DSX_PDL", 1) != 0;
-  return v;
-}
-bool moe_mma_enabled() {
-  static const bool v = env_int("DSX_MOE_MMA", 1) != 0;
-  return v;
-}
-int gemv_mma_ks() {
-  static const int v = env_int("DSX_MMA_KS", 0);  // 0: chosen per shape
-  return v;
-}
-int gemv_mma_ring() {
-  static const int v = env_int("DSX_MMA_RING", 8);  // 0: register ring; 8 / 16: shared ring depth
-  return v;
-}
-int gemv_mma_depth() {
-  static const int v = env_int("DSX_MMA_U", 0);  // 0: chosen per shape
-  return v;
-}
+// Runtime switches (util/switches.def; read at every call, so that tests can set them):
+// DSX_GEMV_MMA = 0 (off), 1 (BF16 mode, default), 2 (also F32 mode); DSX_MMA_CVT = 1 uses
+// the hardware e4m3 -> f16 conversion for FP8 weights; DSX_PDL = 0 launches without
+// programmatic dependent launch (default: with); DSX_MMA_U = 4 / 8 forces the spans in
+// flight per lane (default: per shape).
+int gemv_mma_mode() { return static_cast<int>(sw::get_int(sw::Id::GEMV_MMA)); }
+bool gemv_mma_hwcvt() { return sw::on(sw::Id::MMA_CVT); }
+bool pdl_enabled() { return sw::on(sw::Id::PDL); }
+bool moe_mma_enabled() { return sw::on(sw::Id::MOE_MMA); }
+int gemv_mma_ks() { return static_cast<int>(sw::get_int(sw::Id::MMA_KS)); }  // 0: chosen per shape
+// 0: register ring; 8 / 16: shared ring depth
+int gemv_mma_ring() { return static_cast<int>(sw::get_int(sw::Id::MMA_RING)); }
+int gemv_mma_depth() { return static_cast<int>(sw::get_int(sw::Id::MMA_U)); }  // 0: chosen per shape
 
 namespace {
 
 // DSX_MMA_NOQA = 0: FP8 products without QA8 (wo_a) stay on the CUDA-core kernel.
-bool gemv_mma_noqa() {
-  static const bool v = env_int("DSX_MMA_NOQA", 1) != 0;
-  return v;
-}
+bool gemv_mma_noqa() { return sw::on(sw::Id::MMA_NOQA); }
 // DSX_GEMV_TRACE = 1: every gemv() call prints its shape and the kernel it ran to stderr.
-bool gemv_trace() {
-  static const bool v = env_int("DSX_GEMV_TRACE", 0) != 0;
-  return v;
-}
+bool gemv_trace() { return sw::on(sw::Id::GEMV_TRACE); }
 thread_local const char* t_last_path = "";
 thread_local bool t_last_staged = false;
 

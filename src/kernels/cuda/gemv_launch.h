@@ -80,7 +80,7 @@ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 
 }  // namespace dsx::cuda::detail
 
 namespace dsx::cuda {
-// Runtime switches of the tensor-core paths (gemv.cu; read once from the environment):
+// Runtime switches of the tensor-core paths (gemv.cu; util/switches.def, read per call):
 // DSX_GEMV_MMA = 0 off, 1 BF16 mode (default), 2 also F32 mode; DSX_MMA_CVT = 1 hardware
 // e4m3 -> f16 conversion; DSX_PDL = 0 disables programmatic dependent launch (default on).
 int gemv_mma_mode();

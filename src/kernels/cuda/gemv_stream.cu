@@ -25,6 +25,7 @@
 #include "kernels/cuda/gemv_stream.h"
 #include "kernels/cuda/gemv_stream_device.cuh"
 #include "util/error.h"
+#include "util/switches.h"
 
 namespace dsx::cuda {
 
@@ -221,11 +222,8 @@ bool launch_fmt(const StreamParams& p, int T, cudaStream_t stream) {
 // faster than the default ones: router gate, compressor, indexer weights), 1 = every
 // format it supports, 0 = off.
 int gemv_stream_mode() {
-  static const int v = [] {
-    const int e = env_int("DSX_GEMV_STREAM", -1);
-    return e < 0 ? 2 : (e != 0 ? 1 : 0);
-  }();
-  return v;
+  const int64_t e = sw::get_int(sw::Id::GEMV_STREAM);
+  return e < 0 ? 2 : (e != 0 ? 1 : 0);
 }
 
 bool gemv_stream(const QMatrix& W, const dev::WView& wv, DType xt, const void* x, int64_t ldx, int T, DType yt,

@@ -9,6 +9,7 @@
 #include "kernels/cuda/gemv_launch.h"
 #include "kernels/cuda/pdl_device.cuh"
 #include "util/error.h"
+#include "util/switches.h"
 
 namespace dsx::cuda {
 
@@ -195,10 +196,7 @@ void launch_one(const IndexerScoreArgs& a, dim3 grid, size_t smem, const T* w, f
 constexpr int kSplitMaxT = 16;
 
 // DSX_INDEXER_SPLIT=0: short row lists on one thread per row (all heads) instead of 4
-bool split_heads() {
-  static const bool v = env_int("DSX_INDEXER_SPLIT", 1) != 0;
-  return v;
-}
+bool split_heads() { return sw::on(sw::Id::INDEXER_SPLIT); }
 
 template <typename T>
 void launch_scores(const IndexerScoreArgs& a, cudaStream_t stream) {

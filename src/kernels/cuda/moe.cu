@@ -12,6 +12,7 @@
 #include "kernels/cuda/gemv_launch.h"
 #include "kernels/cuda/moe_device.cuh"
 #include "util/error.h"
+#include "util/switches.h"
 
 namespace dsx::cuda {
 
@@ -523,10 +524,8 @@ constexpr size_t ring_bytes(int warps) {
   return static_cast<size_t>(warps) * (U + 1) * 1024;
 }
 
-int moe_ring_depth() {
-  static const int v = env_int("DSX_MOE_RING", 4);  // 0: per-tile register kernels; 4 (default) or 8
-  return v;
-}
+// 0: per-tile register kernels; 4 (default) or 8
+int moe_ring_depth() { return static_cast<int>(sw::get_int(sw::Id::MOE_RING)); }
 
 struct Piece {
   dev::WView v;

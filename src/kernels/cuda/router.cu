@@ -7,6 +7,7 @@
 #include "kernels/cuda/signal_device.cuh"
 #include "kernels/cuda/quant_act_device.cuh"
 #include "util/error.h"
+#include "util/switches.h"
 
 namespace dsx::cuda {
 
@@ -417,10 +418,7 @@ void launch_fused(const FusedParams& p, cudaStream_t stream) {
 }
 
 // DSX_ROUTER_FUSED=0: the router always takes the two launches (gemv + router_select).
-bool router_fused_enabled() {
-  static const bool v = env_int("DSX_ROUTER_FUSED", 1) != 0;
-  return v;
-}
+bool router_fused_enabled() { return sw::on(sw::Id::ROUTER_FUSED); }
 
 // The "blocks done" counter of the fused kernel for one logits buffer: a session owns
 // its logits buffer and orders its router calls on its stream, so keying by (device,

@@ -9,6 +9,7 @@
 #include "kernels/cuda/gemv_launch.h"
 #include "kernels/cuda/pdl_device.cuh"
 #include "util/error.h"
+#include "util/switches.h"
 
 namespace dsx::cuda {
 
@@ -401,16 +402,14 @@ __global__ void __launch_bounds__(kSmallThreads)
 }
 
 // DSX_TOPK_SMALL=0: rows of at most kSmallN entries also take the general kernel.
-bool small_enabled() {
-  static const bool v = env_int("DSX_TOPK_SMALL", 1) != 0;
-  return v;
-}
+bool small_enabled() { return sw::on(sw::Id::TOPK_SMALL); }
 
 // The cluster kernel needs sm_90 device code (a build for an older virtual
-// architecture JIT-compiled on the H200 gets the single-CTA kernel).
+// architecture JIT-compiled on the H200 gets the single-CTA kernel). DSX_TOPK_CLUSTER=0:
+// the single-CTA kernel on the H200 too.
 bool use_clusters() {
-  static int cached = -1;
-  if (cached < 0 && env_int("DSX_TOPK_CLUSTER", 1) == 0) cached = 0;  // (measurement switch)
+  if (!sw::on(sw::Id::TOPK_CLUSTER)) return false;
+  static int cached = -1;  // (what the device and the build allow)
   if (cached < 0) {
     int dev = 0, major = 0;
     cudaFuncAttributes fa{};
