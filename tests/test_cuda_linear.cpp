@@ -361,7 +361,7 @@ std::vector<float> wide_range_acts(int64_t T, int64_t K, std::mt19937_64& rng) {
 // The default kernel choice is in force (tests that name the kernel a call must take):
 // no switch that picks another GEMV kernel is set (environment or sw::set).
 bool default_gemv_switches() {
-  for (sw::Id id : {sw::Id::GEMV_MMA, sw::Id::GEMV_STREAM, sw::Id::MMA_RING, sw::Id::MMA_NOQA, sw::Id::MMA_KS})
+  for (sw::Id id : {sw::Id::GEMV_MMA, sw::Id::GEMV_STREAM})
     if (sw::is_set(id)) return false;
   return true;
 }

@@ -419,22 +419,17 @@ __global__ void __launch_bounds__(kThreads, R ? 1 : 2) gemv_mma_kernel(const Mma
 
 // Runtime switches (util/switches.def; read at every call, so that tests can set them):
 // DSX_GEMV_MMA = 0 (off), 1 (BF16 mode, default), 2 (also F32 mode); DSX_MMA_CVT = 1 uses
-// the hardware e4m3 -> f16 conversion for FP8 weights; DSX_PDL = 0 launches without
-// programmatic dependent launch (default: with); DSX_MMA_U = 4 / 8 forces the spans in
-// flight per lane (default: per shape).
+// the hardware e4m3 -> f16 conversion on the register ring too (the shared ring always
+// does); DSX_PDL = 0 launches without programmatic dependent launch (default: with);
+// DSX_MMA_U = 4 / 8 forces the register ring's spans in flight per lane (default: per
+// shape).
 int gemv_mma_mode() { return static_cast<int>(sw::get_int(sw::Id::GEMV_MMA)); }
 bool gemv_mma_hwcvt() { return sw::on(sw::Id::MMA_CVT); }
 bool pdl_enabled() { return sw::on(sw::Id::PDL); }
-bool moe_mma_enabled() { return sw::on(sw::Id::MOE_MMA); }
-int gemv_mma_ks() { return static_cast<int>(sw::get_int(sw::Id::MMA_KS)); }  // 0: chosen per shape
-// 0: register ring; 8 / 16: shared ring depth
-int gemv_mma_ring() { return static_cast<int>(sw::get_int(sw::Id::MMA_RING)); }
 int gemv_mma_depth() { return static_cast<int>(sw::get_int(sw::Id::MMA_U)); }  // 0: chosen per shape
 
 namespace {
 
-// DSX_MMA_NOQA = 0: FP8 products without QA8 (wo_a) stay on the CUDA-core kernel.
-bool gemv_mma_noqa() { return sw::on(sw::Id::MMA_NOQA); }
 // DSX_GEMV_TRACE = 1: every gemv() call prints its shape and the kernel it ran to stderr.
 bool gemv_trace() { return sw::on(sw::Id::GEMV_TRACE); }
 thread_local const char* t_last_path = "";
@@ -485,14 +480,13 @@ MmaPlan mma_plan_for(Kern kern, WFormat f, int64_t N, int K, int T, int64_t row_
       ks = k;
     }
   }
-  if (const int force = gemv_mma_ks(); force > 0 && force <= kWarps && (force == 1 || force * 2 <= pl.nsp)) ks = force;
   pl.KS = ks;
   pl.TPB = kWarps / ks;
   pl.ntg = (pl.n_tiles + pl.TPB - 1) / pl.TPB;
   pl.bpg = detail::balanced_blocks(pl.ntg, resident);
   pl.grid = pl.bpg * G;
   pl.rounds = (pl.ntg + pl.bpg - 1) / pl.bpg;
-  if (ks > 1 && pl.rounds > 2) {  // (red sized for 2 rounds; only a forced DSX_MMA_KS gets here)
+  if (ks > 1 && pl.rounds > 2) {  // (red sized for 2 rounds; the choice above keeps to them)
     pl.why = "K split over more than 2 rounds";
     return pl;
   }
@@ -579,13 +573,10 @@ bool gemv_mma(const QMatrix& W, DType xt, const void* x, int64_t ldx, int T, DTy
     // the shared ring; the activations are staged as f16 with power-of-two block scales
     // (exact for bf16, see noqa_block_exp in gemv_device.cuh), the rest is the QA8 kernel.
     if (!fp8 || xt != DType::BF16) return tr.no("no QA8: tensor cores only for FP8 weights x bf16 activations");
-    if (!gemv_mma_noqa()) return tr.no("DSX_MMA_NOQA=0");
     if (T > 4) return tr.no("no QA8: T > 4");
-    if (gemv_mma_ring() <= 0) return tr.no("no QA8: shared ring only (DSX_MMA_RING=0)");
     if (o.groups > 1 && p.N % 16 != 0) return tr.no("no QA8: rows per group not a multiple of 16");
     p.prescale = dev::fp8_mma_prescale<true>();
-    return gemv_mma_ring() >= 16 ? try_launch_mma<WFormat::FP8_BLOCK, true, 1, 16, true, false>(p, K, stream, tr)
-                                 : try_launch_mma<WFormat::FP8_BLOCK, true, 1, 8, true, false>(p, K, stream, tr);
+    return try_launch_mma<WFormat::FP8_BLOCK, true, 1, 8, true, false>(p, K, stream, tr);
   }
   // (one group: the register ring does not support groups; the shared ring would)
   if (!(fp8 || W.fmt == WFormat::MXFP4) || o.qblock != 32 || o.groups != 1)
@@ -596,18 +587,13 @@ bool gemv_mma(const QMatrix& W, DType xt, const void* x, int64_t ldx, int T, DTy
   // tensor-core loop compute-bound); the engine streams MXFP4 only through moe_decode.
   if (!fp8 && T <= 2 && mode < 2) return tr.no("MXFP4 at T <= 2");
   if (fp8 && W.block < 16) return tr.no("FP8 tile < 16");
-  if (gemv_mma_ring() > 0 && T <= (fp8 ? 4 : 2)) {
-    // shared ring, one token pass: depth 8 (DSX_MMA_RING=16: 16) spans in flight per
-    // warp; FP8 with the hardware e4m3 conversion. Falls through when it does not fit.
-    const bool r16 = gemv_mma_ring() >= 16;
+  if (T <= (fp8 ? 4 : 2)) {
+    // shared ring, one token pass: 8 spans in flight per warp (16 measured slower,
+    // docs/experiments.md); FP8 with the hardware e4m3 conversion. Falls through when it
+    // does not fit.
     p.prescale = fp8 ? dev::fp8_mma_prescale<true>() : dev::kMx4MmaPrescale;
-    bool ok;
-    if (fp8)
-      ok = r16 ? try_launch_mma<WFormat::FP8_BLOCK, true, 1, 16, true>(p, K, stream, tr)
-               : try_launch_mma<WFormat::FP8_BLOCK, true, 1, 8, true>(p, K, stream, tr);
-    else
-      ok = r16 ? try_launch_mma<WFormat::MXFP4, false, 1, 16, true>(p, K, stream, tr)
-               : try_launch_mma<WFormat::MXFP4, false, 1, 8, true>(p, K, stream, tr);
+    const bool ok = fp8 ? try_launch_mma<WFormat::FP8_BLOCK, true, 1, 8, true>(p, K, stream, tr)
+                        : try_launch_mma<WFormat::MXFP4, false, 1, 8, true>(p, K, stream, tr);
     if (ok) return true;
     tr.ring_why = tr.why;
   }

@@ -10,9 +10,8 @@
 // without QA8 (wo_a, grouped, T <= 4) too, with the bf16 activations staged as f16 times
 // a power of two per 32-element block (exact within 2^31 of the block maximum;
 // gemv_device.cuh noqa_block_exp); everything else, and F32 mode, on the CUDA-core
-// kernel. Switches: gemv_launch.h (DSX_GEMV_MMA, DSX_PDL, ...); DSX_MMA_NOQA=0 keeps the
-// products without QA8 on the CUDA-core kernel; DSX_GEMV_TRACE=1 prints every call's
-// shape and kernel to stderr.
+// kernel. Switches: gemv_launch.h (DSX_GEMV_MMA, DSX_PDL, ...); DSX_GEMV_TRACE=1 prints
+// every call's shape and kernel to stderr.
 #pragma once
 #include <cuda_runtime.h>
 

@@ -81,15 +81,13 @@ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 
 
 namespace dsx::cuda {
 // Runtime switches of the tensor-core paths (gemv.cu; util/switches.def, read per call):
-// DSX_GEMV_MMA = 0 off, 1 BF16 mode (default), 2 also F32 mode; DSX_MMA_CVT = 1 hardware
-// e4m3 -> f16 conversion; DSX_PDL = 0 disables programmatic dependent launch (default on).
+// DSX_GEMV_MMA = 0 off (also the MoE's tensor-core kernels), 1 BF16 mode (default), 2 also
+// F32 mode; DSX_MMA_CVT = 1 hardware e4m3 -> f16 conversion on the register ring too;
+// DSX_PDL = 0 disables programmatic dependent launch (default on).
 int gemv_mma_mode();
 bool gemv_mma_hwcvt();
 bool pdl_enabled();
-bool moe_mma_enabled();  // DSX_MOE_MMA = 0: the MoE decode keeps the CUDA-core kernels
-int gemv_mma_ring();   // DSX_MMA_RING: spans in flight per warp in the shared ring (0: register ring)
-int gemv_mma_depth();  // DSX_MMA_U: spans in flight per lane (4 or 8; 0 = per shape, default)
-int gemv_mma_ks();     // DSX_MMA_KS: warps splitting K (1/2/4/8; 0 = per shape, default)
+int gemv_mma_depth();  // DSX_MMA_U: register ring's spans in flight per lane (4 or 8; 0 = per shape, default)
 }  // namespace dsx::cuda
 
 namespace dsx::cuda::detail {

@@ -9,7 +9,6 @@
 #include "kernels/cuda/gemv_launch.h"
 #include "kernels/cuda/pdl_device.cuh"
 #include "util/error.h"
-#include "util/switches.h"
 
 namespace dsx::cuda {
 
@@ -195,9 +194,6 @@ void launch_one(const IndexerScoreArgs& a, dim3 grid, size_t smem, const T* w, f
 // Queries (tokens) up to which short row lists split the heads of a row over 4 threads.
 constexpr int kSplitMaxT = 16;
 
-// DSX_INDEXER_SPLIT=0: short row lists on one thread per row (all heads) instead of 4
-bool split_heads() { return sw::on(sw::Id::INDEXER_SPLIT); }
-
 template <typename T>
 void launch_scores(const IndexerScoreArgs& a, cudaStream_t stream) {
   const float softmax_scale = static_cast<float>(std::pow(static_cast<double>(a.head_dim), -0.5));
@@ -206,9 +202,10 @@ void launch_scores(const IndexerScoreArgs& a, cudaStream_t stream) {
       static_cast<float>(std::pow(static_cast<double>(a.head_dim), -0.5) * std::pow(static_cast<double>(a.n_heads), -0.5));
   const bool small = (a.max_rows + 63) / 64 <= static_cast<int64_t>(8) * sm_count();
   // heads split over 4 threads per row for a few queries (decode, speculative verify:
-  // latency-bound); prefill chunks keep one thread per row (the split repeats the key
+  // latency-bound; one thread per row there measured 13.2-15.1 us per decode launch
+  // against 8.9-11.8); prefill chunks keep one thread per row (the split repeats the key
   // decode per thread and stages q twice as often: prefill 6 % slower at 32k-128k)
-  const bool split = small && a.T <= kSplitMaxT && split_heads();
+  const bool split = small && a.T <= kSplitMaxT;
   const int rows_per_block = split ? 32 : small ? 64 : 256;
   const int64_t blocks = (a.max_rows + rows_per_block - 1) / rows_per_block;
   DSX_CHECK(blocks < (int64_t{1} << 31), "indexer_scores: too many rows");

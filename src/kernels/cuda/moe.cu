@@ -12,7 +12,6 @@
 #include "kernels/cuda/gemv_launch.h"
 #include "kernels/cuda/moe_device.cuh"
 #include "util/error.h"
-#include "util/switches.h"
 
 namespace dsx::cuda {
 
@@ -513,19 +512,17 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_mma_kernel(const DownMma
 // One-token kernels on the shared-memory span ring (gemv_device.cuh): each warp walks a
 // sequence of pieces (16 rows x a span range of one weight matrix) and its copies run
 // U spans ahead across piece boundaries, so a warp's stream never drains between
-// units. Same arithmetic per piece as stream_tile. DSX_MOE_RING=0: the per-tile
-// register-ring kernels above (as for T > 1).
-// U: spans in flight per warp (ring of U + 1 slots of 1 KB). U = 4 (default) is a bit
-// faster on the H200 than U = 8 (DSX_MOE_RING=8): MoE 69.2 -> 67.6 us, decode step
-// 2.000 -> 1.978 ms. (Forcing 3 up blocks per SM with U = 4, 75 registers, measured
-// slower: 72.7 us.)
+// units. Same arithmetic per piece as stream_tile. T > 1 (or where these do not fit):
+// the per-tile register-ring kernels above, which also measured slower at T = 1.
+// U: spans in flight per warp (ring of U + 1 slots of 1 KB). U = 4 is a bit faster on the
+// H200 than U = 8: MoE 69.2 -> 67.6 us, decode step 2.000 -> 1.978 ms; U = 8 measured
+// slower again in later sessions (docs/experiments.md). (Forcing 3 up blocks per SM with
+// U = 4, 75 registers, measured slower: 72.7 us.)
 template <int U>
 constexpr size_t ring_bytes(int warps) {
   return static_cast<size_t>(warps) * (U + 1) * 1024;
 }
-
-// 0: per-tile register kernels; 4 (default) or 8
-int moe_ring_depth() { return static_cast<int>(sw::get_int(sw::Id::MOE_RING)); }
+constexpr int kRingU = 4;  // the one-token kernels' spans in flight per warp
 
 struct Piece {
   dev::WView v;
@@ -1005,7 +1002,7 @@ bool moe_decode_mma(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int
                     const float* weights, DType yt, void* y, int64_t ldy, char* base, const DecodeLayout& L,
                     cudaStream_t stream, const uint32_t* x_staged) {
   const int mode = gemv_mma_mode();
-  if (mode == 0 || (yt != DType::BF16 && mode < 2) || !moe_mma_enabled()) return false;
+  if (mode == 0 || (yt != DType::BF16 && mode < 2)) return false;
   const bool has_shared = m.shared_w1.data != nullptr;
   const int S = topk + (has_shared ? 1 : 0);
   if (m.qblock != 32 || T > 8 || m.inter % 32 != 0 || m.hidden % 32 != 0 || S > kMaxSlots) return false;
@@ -1075,11 +1072,7 @@ bool moe_decode_mma(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int
   const size_t smem_dn = static_cast<size_t>(topk + 1) * NBI * (64 + 4) + 16;
   if (smem_dn > detail::max_dynamic_smem(moe_down_mma_kernel)) return false;
 
-  if (T == 1 && moe_ring_depth() > 0) {
-    if (moe_ring_depth() <= 4 ? launch_ring_t1<4>(up, dn, n_up, NB, NTD, smem_dn, stream)
-                              : launch_ring_t1<8>(up, dn, n_up, NB, NTD, smem_dn, stream))
-      return true;
-  }
+  if (T == 1 && launch_ring_t1<kRingU>(up, dn, n_up, NB, NTD, smem_dn, stream)) return true;
   detail::launch_pdl(kup, dim3(static_cast<unsigned>(n_up)), dim3(kThreads), smem_up, stream, up);
   detail::launch_pdl(moe_down_mma_kernel, dim3(static_cast<unsigned>(T * NTD)), dim3(kThreads), smem_dn, stream, dn);
   return true;

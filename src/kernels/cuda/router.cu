@@ -7,7 +7,6 @@
 #include "kernels/cuda/signal_device.cuh"
 #include "kernels/cuda/quant_act_device.cuh"
 #include "util/error.h"
-#include "util/switches.h"
 
 namespace dsx::cuda {
 
@@ -417,9 +416,6 @@ void launch_fused(const FusedParams& p, cudaStream_t stream) {
   launch_fused_tt<F, 8>(p, stream);
 }
 
-// DSX_ROUTER_FUSED=0: the router always takes the two launches (gemv + router_select).
-bool router_fused_enabled() { return sw::on(sw::Id::ROUTER_FUSED); }
-
 // The "blocks done" counter of the fused kernel for one logits buffer: a session owns
 // its logits buffer and orders its router calls on its stream, so keying by (device,
 // buffer) gives concurrent sessions (streams) separate counters. Allocated and zeroed
@@ -448,7 +444,7 @@ void router(DType xt, const void* x, int64_t ldx, int T, const QMatrix& gate, co
             const RouterOpts& o, float* logits, int32_t* ids, float* weights, cudaStream_t stream) {
   DSX_CHECK(gate.fmt == WFormat::BF16 || gate.fmt == WFormat::F32, "router: gate must be BF16 or F32");
   const int64_t E = gate.rows, D = gate.cols;
-  if (router_fused_enabled() && T >= 1 && T <= kFusedMaxT && E >= 1 && E <= kMaxE && D > 0 && D % 8 == 0 &&
+  if (T >= 1 && T <= kFusedMaxT && E >= 1 && E <= kMaxE && D > 0 && D % 8 == 0 &&
       D <= (int64_t{1} << 30) && detail::aligned16(gate.data)) {
     DSX_CHECK(topk >= 1 && topk <= kMaxK && topk <= E, "router: bad topk ", topk);
     DSX_CHECK(ldx >= D, "router: bad row stride ", ldx, " for ", D, " inputs");
