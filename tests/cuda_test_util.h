@@ -18,11 +18,11 @@
 #ifdef DSX_HAVE_CUDA
 #include <cuda_fp16.h>
 
-#include "kernels/cpu/quant.h"
+#include "model/cpu/quant.h"
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/gemv.h"  // staged_act_words
 #include "kernels/cuda/elementwise_types.h"  // Act
-#include "kernels/qmatrix.h"
+#include "model/qmatrix.h"
 
 #define SKIP_WITHOUT_GPU() \
   if (!dsx::cuda::device_available()) GTEST_SKIP() << "no CUDA device"

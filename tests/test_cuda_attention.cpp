@@ -19,7 +19,8 @@
 #include <set>
 #include <vector>
 
-#include "kernels/cpu/quant.h"
+#include "model/cpu/quant.h"
+#include "model/kv_formats.h"
 #include "kernels/cpu/twin_attn.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/compressor.h"
@@ -90,9 +91,9 @@ Scene make_scene(const Shape& sh, Act act, int64_t p0, int T, Rng& rng, bool wit
   // compact device copies
   std::vector<uint8_t> rc(s.ring.size()), rs(s.ring.size() / 32), cc(s.chunk.size()), cs(s.chunk.size() / 32),
       mp(s.cmp.size() / 2), ms(s.cmp.size() / 16);
-  cuda::pack_fq8_rows(s.ring.data(), s.cap, hd, rc.data(), rs.data());
-  cuda::pack_fq8_rows(s.chunk.data(), T, hd, cc.data(), cs.data());
-  cuda::pack_fq4e4_rows(s.cmp.data(), static_cast<int64_t>(s.cmp.size()) / hd, hd, mp.data(), ms.data());
+  pack_fq8_rows(s.ring.data(), s.cap, hd, rc.data(), rs.data());
+  pack_fq8_rows(s.chunk.data(), T, hd, cc.data(), cs.data());
+  pack_fq4e4_rows(s.cmp.data(), static_cast<int64_t>(s.cmp.size()) / hd, hd, mp.data(), ms.data());
   s.d_rc = upload_vec(rc);
   s.d_rs = upload_vec(rs);
   s.d_cc = upload_vec(cc);
@@ -370,7 +371,7 @@ TEST(CudaDecodeGraph, TinyLayerStepByStep) {
         std::vector<uint8_t> rc(cap * hd), rs(cap * hd / 32);
         d_rc.download(rc.data(), rc.size());
         d_rs.download(rs.data(), rs.size());
-        cuda::unpack_fq8_rows(rc.data(), rs.data(), cap, hd, ring_before.data());
+        unpack_fq8_rows(rc.data(), rs.data(), cap, hd, ring_before.data());
       }
       for (auto& [buf, v] : std::vector<std::pair<DeviceBuffer*, const std::vector<float>*>>{
                {&d_q, &q}, {&d_kv, &kv}, {&d_cin, &cin}, {&d_iq, &iq}, {&d_w, &w}}) {
@@ -388,7 +389,7 @@ TEST(CudaDecodeGraph, TinyLayerStepByStep) {
       d_cc.download(cc.data(), cc.size());
       d_cs.download(cs.data(), cs.size());
       std::vector<float> row(hd), row_w(hd);
-      cuda::unpack_fq8_rows(cc.data(), cs.data(), 1, hd, row.data());
+      unpack_fq8_rows(cc.data(), cs.data(), 1, hd, row.data());
       twin::kv_finish(bf, kv.data(), kv_norm.data(), eps, 1, hd, np, freq.data(), s, row_w.data());
       size_t dif = 0;
       for (int i = 0; i < hd; ++i) dif += f32_bits(row[i]) != f32_bits(row_w[i]);
@@ -402,8 +403,8 @@ TEST(CudaDecodeGraph, TinyLayerStepByStep) {
         d_ms.download(ms.data(), ms.size());
         d_kp.download(kp.data(), kp.size());
         d_ks.download(ks.data(), ks.size());
-        cuda::unpack_fq4e4_rows(mp.data(), ms.data(), n, hd, rows.data());
-        cuda::unpack_fq4e8_rows(kp.data(), ks.data(), n, ihd, kvals.data());
+        unpack_fq4e4_rows(mp.data(), ms.data(), n, hd, rows.data());
+        unpack_fq4e8_rows(kp.data(), ks.data(), n, ihd, kvals.data());
       }
       auto cw = twin::compressor(
           bf, 1, hd, ihd, np, eps, s, 1, [&](int64_t p) { return cin_hist.data() + p * hd; },

@@ -23,8 +23,13 @@
 #include <thread>
 #include <vector>
 
-#include "kernels/cpu/ops.h"
-#include "kernels/cpu/quant.h"
+#include "model/cpu/ops.h"
+#include "model/cpu/quant.h"
+#include "model/kv_formats.h"
+#include "model/kv_state.h"
+#include "util/snapshot_io.h"
+#include "backend/cuda/kv_cache.h"
+#include "backend/cuda/device_model.h"
 #include "kernels/cpu/twin_attn.h"
 #include "kernels/cuda/argmax.h"
 #include "kernels/cuda/cuda_util.h"
@@ -115,9 +120,9 @@ TEST(CudaElementwise, CompactRowsExact) {
     {
       std::vector<float> want = fq8_rows(x, dim);
       std::vector<uint8_t> hc(static_cast<size_t>(rows * dim)), hs(static_cast<size_t>(rows * dim / 32));
-      cuda::pack_fq8_rows(want.data(), rows, dim, hc.data(), hs.data());
+      pack_fq8_rows(want.data(), rows, dim, hc.data(), hs.data());
       std::vector<float> back(want.size());
-      cuda::unpack_fq8_rows(hc.data(), hs.data(), rows, dim, back.data());
+      unpack_fq8_rows(hc.data(), hs.data(), rows, dim, back.data());
       EXPECT_EQ(count_bit_diff(back, want), 0u) << "pack/unpack fq8 " << dim;
       DeviceBuffer dx = upload_vec(x), dc(hc.size()), ds(hs.size()), dy(want.size() * 4);
       cuda::Fq8Rows r{dc.as<uint8_t>(), ds.as<uint8_t>(), dim};
@@ -129,9 +134,9 @@ TEST(CudaElementwise, CompactRowsExact) {
     {
       std::vector<float> want = fq4e4_rows(x, dim);
       std::vector<uint8_t> hp(static_cast<size_t>(rows * dim / 2)), hs(static_cast<size_t>(rows * dim / 16));
-      cuda::pack_fq4e4_rows(want.data(), rows, dim, hp.data(), hs.data());
+      pack_fq4e4_rows(want.data(), rows, dim, hp.data(), hs.data());
       std::vector<float> back(want.size());
-      cuda::unpack_fq4e4_rows(hp.data(), hs.data(), rows, dim, back.data());
+      unpack_fq4e4_rows(hp.data(), hs.data(), rows, dim, back.data());
       EXPECT_EQ(count_bit_diff(back, want), 0u) << "pack/unpack fq4e4 " << dim;
       DeviceBuffer dx = upload_vec(x), dp(hp.size()), ds(hs.size()), dy(want.size() * 4);
       cuda::Fq4e4Rows r{dp.as<uint8_t>(), ds.as<uint8_t>(), dim};
@@ -143,9 +148,9 @@ TEST(CudaElementwise, CompactRowsExact) {
     {
       std::vector<float> want = fq4e8_rows(x, dim);
       std::vector<uint8_t> hp(static_cast<size_t>(rows * dim / 2)), hs(static_cast<size_t>(rows * dim / 32));
-      cuda::pack_fq4e8_rows(want.data(), rows, dim, hp.data(), hs.data());
+      pack_fq4e8_rows(want.data(), rows, dim, hp.data(), hs.data());
       std::vector<float> back(want.size());
-      cuda::unpack_fq4e8_rows(hp.data(), hs.data(), rows, dim, back.data());
+      unpack_fq4e8_rows(hp.data(), hs.data(), rows, dim, back.data());
       EXPECT_EQ(count_bit_diff(back, want), 0u) << "pack/unpack fq4e8 " << dim;
       DeviceBuffer dx = upload_vec(x), dp(hp.size()), ds(hs.size()), dy(want.size() * 4);
       cuda::Fq4e8Rows r{dp.as<uint8_t>(), ds.as<uint8_t>(), dim};
@@ -160,7 +165,7 @@ TEST(CudaElementwise, CompactRowsExact) {
   bad[1] = 1.0f + 1.0f / 64.0f;  // not on the e4m3 grid of any scale that also holds 1.0 in range
   bad[2] = 1e-3f;
   std::vector<uint8_t> c(32), s(1);
-  EXPECT_THROW(cuda::pack_fq8_rows(bad.data(), 1, 32, c.data(), s.data()), dsx::Error);
+  EXPECT_THROW(pack_fq8_rows(bad.data(), 1, 32, c.data(), s.data()), dsx::Error);
 }
 
 TEST(CudaElementwise, RmsNormAndQa8) {
@@ -279,22 +284,26 @@ TEST(CudaElementwise, WindowKvFinish) {
 }
 
 // ------------------------------------------------------------------------------------------
-TEST(CudaKvCache, UploadDownloadExact) {
+// A CPU state's snapshot (KVState::save packs its f32 values into the compact sections)
+// streamed into a DeviceKVCache and back out is the same byte stream, and the CPU state
+// restored from the device's stream equals the original bit for bit.
+TEST(CudaKvCache, SnapshotStreamsExact) {
   SKIP_WITHOUT_GPU();
   Rng rng(21);
-  cuda::DeviceKVGeometry g;
+  KVGeometry g;
   g.n_layers = 5;
   g.window = 16;
   g.rollback_depth = 4;
   g.head_dim = 64;
   g.idx_dim = 32;
-  g.max_context = 200;
   g.source_ratio = {0, 0, 2, 0, 1};
+  const int64_t max_ctx = 200;
   KVState st;
   st.pos = 77;
   st.rollback_depth = g.rollback_depth;
   st.windows.resize(5);
   st.caches.resize(5);
+  for (int64_t i = 0; i < st.pos; ++i) st.tokens.push_back(static_cast<int32_t>(3 + i));
   for (int l = 0; l < 5; ++l) {
     auto& r = st.windows[static_cast<size_t>(l)];
     r.cap = g.window_cap();
@@ -315,24 +324,43 @@ TEST(CudaKvCache, UploadDownloadExact) {
       c.proj_gate = randn(static_cast<size_t>(c.proj_cap) * c.dim, rng);
     }
   }
-  cuda::DeviceKVCache dev(g);
-  dev.upload(st);
-  EXPECT_EQ(dev.position(), 77);
-  KVState back;
-  back.windows.resize(5);
-  back.caches.resize(5);
-  for (int l = 0; l < 5; ++l) {
-    back.windows[static_cast<size_t>(l)].cap = g.window_cap();
-    back.windows[static_cast<size_t>(l)].dim = g.head_dim;
-    auto& c = back.caches[static_cast<size_t>(l)];
-    c.ratio = g.source_ratio[static_cast<size_t>(l)];
-    if (c.ratio > 0) {
-      c.dim = g.head_dim;
-      c.idx_dim = g.idx_dim;
-      c.proj_cap = g.proj_cap(l);
-    }
+  ASSERT_TRUE(geometry_of(st) == g);
+  VectorSink cpu;
+  {
+    SnapshotWriter w(cpu, "{}");
+    st.save(w);
+    w.finish();
   }
-  dev.download(back);
+  cuda::Pinned<uint8_t> stage(1 << 12);  // (small: several pieces per section)
+  cuda::DeviceKVCache dev(g, max_ctx);
+  std::vector<int32_t> tokens(static_cast<size_t>(st.pos));
+  {
+    SpanSource src(cpu.bytes);
+    SnapshotReader r(src);
+    r.begin(static_cast<uint32_t>(SectionTag::kTokens), kNoLayer, tokens.size() * 4, "tokens");
+    r.read(tokens.data(), tokens.size() * 4);
+    dev.restore(r, st.pos, stage.data(), stage.size(), nullptr);
+    r.finish();
+  }
+  int64_t pos = 0;
+  DSX_CUDA_CHECK(cudaMemcpy(&pos, dev.d_pos(), 8, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(pos, 77);
+  VectorSink gpu;
+  {
+    SnapshotWriter w(gpu, "{}");
+    w.begin(static_cast<uint32_t>(SectionTag::kTokens), kNoLayer, tokens.size() * 4);
+    w.write(tokens.data(), tokens.size() * 4);
+    dev.save(w, st.pos, stage.data(), stage.size(), nullptr);
+    w.finish();
+  }
+  EXPECT_EQ(gpu.bytes, cpu.bytes);
+  KVState back = st;
+  back.reset();
+  {
+    SpanSource src(gpu.bytes);
+    SnapshotReader r(src);
+    back.restore(r, 77);
+  }
   EXPECT_EQ(back.pos, 77);
   for (int l = 0; l < 5; ++l) {
     EXPECT_EQ(count_bit_diff(back.windows[l].rows, st.windows[l].rows), 0u) << "window " << l;
@@ -354,14 +382,14 @@ TEST(CudaKvCache, WindowAndProjectionStore) {
     std::vector<float> ring = fq8_rows(randn(static_cast<size_t>(cap) * hd, rng), hd);
     std::vector<float> chunk = fq8_rows(randn(static_cast<size_t>(T) * hd, rng), hd);
     std::vector<uint8_t> rc(ring.size()), rs(ring.size() / 32), cc(chunk.size()), cs(chunk.size() / 32);
-    cuda::pack_fq8_rows(ring.data(), cap, hd, rc.data(), rs.data());
-    cuda::pack_fq8_rows(chunk.data(), T, hd, cc.data(), cs.data());
+    pack_fq8_rows(ring.data(), cap, hd, rc.data(), rs.data());
+    pack_fq8_rows(chunk.data(), T, hd, cc.data(), cs.data());
     DeviceBuffer drc = upload_vec(rc), drs = upload_vec(rs), dcc = upload_vec(cc), dcs = upload_vec(cs);
     DeviceBuffer dp = upload_pos(p0);
     cuda::window_store({dcc.as<uint8_t>(), dcs.as<uint8_t>(), hd}, T, {drc.as<uint8_t>(), drs.as<uint8_t>(), hd}, cap,
                        dp.as<int64_t>(), nullptr);
     std::vector<float> got(ring.size());
-    cuda::unpack_fq8_rows(download_vec<uint8_t>(drc, rc.size()).data(), download_vec<uint8_t>(drs, rs.size()).data(),
+    unpack_fq8_rows(download_vec<uint8_t>(drc, rc.size()).data(), download_vec<uint8_t>(drs, rs.size()).data(),
                           cap, hd, got.data());
     std::vector<float> want = ring;
     for (int i = std::max(0, T - cap); i < T; ++i)

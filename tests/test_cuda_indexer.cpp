@@ -21,7 +21,8 @@
 #include <set>
 #include <vector>
 
-#include "kernels/cpu/quant.h"
+#include "model/cpu/quant.h"
+#include "model/kv_formats.h"
 #include "kernels/cpu/twin_attn.h"
 #include "kernels/cuda/compressor.h"
 #include "kernels/cuda/cuda_util.h"
@@ -53,7 +54,7 @@ Keys make_keys(int64_t n, int dim, Rng& rng) {
   for (int64_t r = 0; r < n; ++r) cpu::fq4_e8_inplace(k.vals.data() + r * dim, dim, 32);
   k.packed.resize(static_cast<size_t>(n) * dim / 2);
   k.scales.resize(static_cast<size_t>(n) * dim / 32);
-  cuda::pack_fq4e8_rows(k.vals.data(), n, dim, k.packed.data(), k.scales.data());
+  pack_fq4e8_rows(k.vals.data(), n, dim, k.packed.data(), k.scales.data());
   k.dp = upload_vec(k.packed);
   k.ds = upload_vec(k.scales);
   return k;
@@ -158,9 +159,9 @@ TEST(CudaCompressor, ChunkedMatchesOneShotTwin) {
             k_norm.data());
         ASSERT_EQ(static_cast<int64_t>(w.rows.size()), nrows * hd);
         std::vector<float> rows(static_cast<size_t>(nrows) * hd), keys(static_cast<size_t>(nrows) * idx);
-        cuda::unpack_fq4e4_rows(download_vec<uint8_t>(drp, rows.size() / 2).data(),
+        unpack_fq4e4_rows(download_vec<uint8_t>(drp, rows.size() / 2).data(),
                                 download_vec<uint8_t>(drs, rows.size() / 16).data(), nrows, hd, rows.data());
-        cuda::unpack_fq4e8_rows(download_vec<uint8_t>(dkp, keys.size() / 2).data(),
+        unpack_fq4e8_rows(download_vec<uint8_t>(dkp, keys.size() / 2).data(),
                                 download_vec<uint8_t>(dks, keys.size() / 32).data(), nrows, idx, keys.data());
         expect_quantized_close(rows, w.rows, 16, 5e-3, 0.67, "compressed rows");
         expect_quantized_close(keys, w.keys, 32, 5e-3, 0.67, "index keys");

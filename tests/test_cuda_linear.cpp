@@ -22,9 +22,9 @@
 #include <tuple>
 #include <vector>
 
-#include "kernels/cpu/linear.h"
-#include "kernels/cpu/ops.h"
-#include "kernels/cpu/quant.h"
+#include "model/cpu/linear.h"
+#include "model/cpu/ops.h"
+#include "model/cpu/quant.h"
 #include "cuda_test_util.h"
 #include "kernels/cpu/twin_attn.h"
 #include "kernels/cpu/twin_linear.h"

@@ -8,6 +8,7 @@
 
 #include "cli/golden_check.h"
 #include "model/v41_cpu.h"
+#include "runtime/cpu_engine.h"
 #include "test_util.h"
 #include "util/safetensors.h"
 
@@ -17,39 +18,13 @@ namespace {
 
 // A CPU engine over a golden case directory that uses the case's recorded
 // engram_token_map (the tokenizer-derived map is checked separately).
-class GoldenEngine : public Engine {
- public:
-  explicit GoldenEngine(const std::string& dir) {
-    SafetensorsFile g(dir + "/golden.safetensors");
-    const auto& cm = g.get("engram_token_map");
-    ModelConfig cfg = load_model_config(dir);
-    m_ = std::make_unique<V41Cpu>(cfg, bind_weights(cfg, std::make_shared<ModelFiles>(dir)),
-                                  std::vector<int32_t>(cm.as<int32_t>(), cm.as<int32_t>() + cm.numel()));
-  }
-  const ModelConfig& config() const override { return m_->config(); }
-  std::string describe() const override { return "golden cpu"; }
-  std::unique_ptr<Session> new_session() override {
-    struct S : Session {
-      const V41Cpu& m;
-      KVState st;
-      explicit S(const V41Cpu& mm) : m(mm), st(mm.new_state()) {}
-      int64_t position() const override { return st.pos; }
-      const std::vector<int32_t>& tokens() const override { return st.tokens; }
-      void feed(const int32_t* ids, int64_t n, float* l, bool all) override { m.forward(st, ids, n, l, all); }
-      int32_t feed_greedy(const int32_t* ids, int64_t n) override {
-        return feed_greedy_on_host(ids, n, m.config().vocab_size);
-      }
-      std::vector<uint8_t> save() const override { return st.save(); }
-      void restore(const std::vector<uint8_t>& b) override { st.restore(b.data(), b.size()); }
-      void rollback(int64_t p) override { st.rollback(p); }
-      int64_t state_bytes() const override { return st.bytes(); }
-    };
-    return std::make_unique<S>(*m_);
-  }
-
- private:
-  std::unique_ptr<V41Cpu> m_;
-};
+std::unique_ptr<Engine> golden_engine(const std::string& dir) {
+  SafetensorsFile g(dir + "/golden.safetensors");
+  const auto& cm = g.get("engram_token_map");
+  ModelConfig cfg = load_model_config(dir);
+  return make_cpu_engine(std::make_unique<V41Cpu>(cfg, bind_weights(cfg, std::make_shared<ModelFiles>(dir)),
+                                                  std::vector<int32_t>(cm.as<int32_t>(), cm.as<int32_t>() + cm.numel())));
+}
 
 }  // namespace
 
@@ -60,8 +35,8 @@ TEST(GoldenV41, AllCasesLeadingRows) {
     const std::string dir = e.path().string();
     if (!e.is_directory() || !is_v41_golden_case(dir)) continue;
     ++n;
-    GoldenEngine eng(dir);
-    GoldenReport r = check_golden_case(dir, eng, true);
+    auto eng = golden_engine(dir);
+    GoldenReport r = check_golden_case(dir, *eng, true);
     std::printf("%s\n", r.summary().c_str());
     EXPECT_TRUE(r.prefill.ok()) << r.summary();
     EXPECT_TRUE(r.incremental.ok()) << r.summary();

@@ -6,8 +6,8 @@
 #include <random>
 #include <vector>
 
-#include "kernels/cpu/quant.h"
-#include "kernels/qmatrix.h"
+#include "model/cpu/quant.h"
+#include "model/qmatrix.h"
 #include "util/numerics.h"
 
 using namespace dsx;

@@ -10,6 +10,7 @@
 #include "cli/golden_check.h"
 #include "model/make_tiny.h"
 #include "model/v41_cpu.h"
+#include "runtime/cpu_engine.h"
 #include "test_util.h"
 #include "util/error.h"
 
@@ -77,54 +78,86 @@ TEST(Session, ChunkedPrefillEqualsOneShot) {
   }
 }
 
+// The fixture's model behind the Engine / Session interface (a second copy of the
+// weights binding: the engine owns its model).
+std::unique_ptr<Engine> fixture_engine(EngineOptions o = {}) {
+  auto& f = fixture();
+  ModelConfig cfg = load_model_config(f.dir);
+  std::vector<int32_t> cmap(512);
+  for (int i = 0; i < 512; ++i) cmap[i] = i;
+  return make_cpu_engine(std::make_unique<V41Cpu>(cfg, bind_weights(cfg, std::make_shared<ModelFiles>(f.dir)), cmap), o);
+}
+
 TEST(Session, SaveRestoreContinuesIdentically) {
   auto& f = fixture();
-  const int64_t V = f.model->config().vocab_size;
+  auto eng = fixture_engine();
+  const int64_t V = eng->config().vocab_size;
   for (int64_t cut : {77, 78, 1, 130}) {
-    KVState a = f.model->new_state();
+    auto a = eng->new_session();
     std::vector<float> tmp(static_cast<size_t>(cut * V));
-    f.model->forward(a, f.prompt.data(), cut, tmp.data(), true);
-    std::vector<uint8_t> snap = a.save();
+    a->feed(f.prompt.data(), cut, tmp.data(), true);
+    std::vector<uint8_t> snap = a->save();
     const int64_t rest = 20;
     std::vector<float> la(static_cast<size_t>(rest * V)), lb(la.size());
-    f.model->forward(a, f.prompt.data() + cut, rest, la.data(), true);
-    KVState b = f.model->new_state();
-    b.restore(snap.data(), snap.size());
-    EXPECT_EQ(b.pos, cut);
-    f.model->forward(b, f.prompt.data() + cut, rest, lb.data(), true);
+    a->feed(f.prompt.data() + cut, rest, la.data(), true);
+    auto b = eng->new_session();
+    b->restore(snap);
+    EXPECT_EQ(b->position(), cut);
+    b->feed(f.prompt.data() + cut, rest, lb.data(), true);
     EXPECT_EQ(la, lb) << "cut " << cut;
     // restore(save(s)) == s
-    EXPECT_EQ(b.save(), a.save());
+    EXPECT_EQ(b->save(), a->save());
   }
 }
 
 TEST(Session, CorruptSnapshotsAreRejected) {
   auto& f = fixture();
-  KVState a = f.model->new_state();
-  std::vector<float> tmp(static_cast<size_t>(10 * f.model->config().vocab_size));
-  f.model->forward(a, f.prompt.data(), 10, tmp.data(), true);
-  auto snap = a.save();
+  auto eng = fixture_engine();
+  auto a = eng->new_session();
+  std::vector<float> tmp(static_cast<size_t>(10 * eng->config().vocab_size));
+  a->feed(f.prompt.data(), 10, tmp.data(), true);
+  auto snap = a->save();
   auto expect_error = [&](std::vector<uint8_t> bytes, const std::string& needle) {
-    KVState b = f.model->new_state();
+    auto b = eng->new_session();
+    b->feed(f.prompt.data(), 3, tmp.data(), false);
     try {
-      b.restore(bytes.data(), bytes.size());
+      b->restore(bytes);
       FAIL() << "accepted a corrupt snapshot (" << needle << ")";
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
     }
-    EXPECT_EQ(b.pos, 0);  // the state is untouched
+    EXPECT_EQ(b->position(), 3);  // the state is untouched
   };
   auto trunc = snap;
   trunc.resize(snap.size() / 2);
-  expect_error(trunc, "checksum");
+  expect_error(trunc, "truncated");
   auto flipped = snap;
-  flipped[snap.size() / 3] ^= 0x40;
+  flipped[snap.size() - 40] ^= 0x40;  // (inside the last section's payload)
   expect_error(flipped, "checksum");
+  auto tail = snap;
+  tail.push_back(0);
+  expect_error(tail, "trailing bytes");
   expect_error({1, 2, 3}, "magic");
-  KVState other = f.model->new_state();
-  other.fingerprint = "another model";
-  auto foreign = other.save();
+  std::vector<uint8_t> old = {'D', 'S', 'X', 'K', 'V', 'S', '0', '1', 0, 0, 0, 0};
+  expect_error(old, "old dsx snapshot format");
+  auto version = snap;
+  version[8] = 7;
+  expect_error(version, "version 7");
+  // another model: the same snapshot with another identity in its header
+  const std::string model = eng->state_identity().model_id;
+  std::string text(snap.begin(), snap.end());
+  const size_t at = text.find(model);
+  ASSERT_NE(at, std::string::npos);
+  auto foreign = snap;
+  foreign[at] = foreign[at] == 'a' ? 'b' : 'a';
   expect_error(foreign, "different model");
+  // another geometry (rollback depth 4)
+  EngineOptions o4;
+  o4.rollback_depth = 4;
+  auto eng4 = fixture_engine(o4);
+  auto c = eng4->new_session();
+  c->feed(f.prompt.data(), 10, tmp.data(), true);
+  expect_error(c->save(), "geometry");
 }
 
 TEST(Session, RollbackWithinDepth) {

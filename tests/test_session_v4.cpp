@@ -321,21 +321,21 @@ TEST(SessionV4, LastRowOnlyEqualsAllRows) {
 
 TEST(SessionV4, SaveRestoreContinuesIdentically) {
   auto& f = fixture();
+  auto eng = load_engine(f.dir);
   for (int64_t cut : {77, 78, 1, 15, 16, 31, 32, 128, 130}) {
-    KVState a = f.model->new_state();
+    auto a = eng->new_session();
     std::vector<float> tmp(static_cast<size_t>(cut * kVocab));
-    f.model->forward(a, f.prompt.data(), cut, tmp.data(), true);
-    const std::vector<uint8_t> snap = a.save();
+    a->feed(f.prompt.data(), cut, tmp.data(), true);
+    const std::vector<uint8_t> snap = a->save();
     const int64_t rest = 20;
     std::vector<float> la(static_cast<size_t>(rest * kVocab)), lb(la.size());
-    f.model->forward(a, f.prompt.data() + cut, rest, la.data(), true);
-    KVState b = f.model->new_state();
-    b.restore(snap.data(), snap.size());
-    f.model->check_state(b);
-    EXPECT_EQ(b.pos, cut);
-    f.model->forward(b, f.prompt.data() + cut, rest, lb.data(), true);
+    a->feed(f.prompt.data() + cut, rest, la.data(), true);
+    auto b = eng->new_session();
+    b->restore(snap);
+    EXPECT_EQ(b->position(), cut);
+    b->feed(f.prompt.data() + cut, rest, lb.data(), true);
     EXPECT_EQ(la, lb) << "cut " << cut;
-    EXPECT_EQ(b.save(), a.save()) << "cut " << cut;
+    EXPECT_EQ(b->save(), a->save()) << "cut " << cut;  // restore(save(s)) == s
   }
 }
 
@@ -408,11 +408,14 @@ TEST(SessionV4, EngineInterfaceAndSnapshots) {
   EXPECT_EQ(s2->position(), 85);
   EXPECT_THROW(s2->restore({1, 2, 3}), Error);
   // a snapshot of another geometry (different rollback depth) is refused
-  KVState other = f.model->new_state(4);
+  EngineOptions o4;
+  o4.rollback_depth = 4;
+  auto eng4 = load_engine(f.dir, o4);
+  auto other = eng4->new_session();
   std::vector<float> tmp(static_cast<size_t>(10 * kVocab));
-  f.model->forward(other, f.prompt.data(), 10, tmp.data(), true);
+  other->feed(f.prompt.data(), 10, tmp.data(), true);
   try {
-    s2->restore(other.save());
+    s2->restore(other->save());
     FAIL() << "accepted a snapshot of another geometry";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("geometry"), std::string::npos) << e.what();

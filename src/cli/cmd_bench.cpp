@@ -13,12 +13,13 @@
 
 #include "cli/registry.h"
 #include "runtime/bench_report.h"
+#include "model/cost_model.h"
 #include "runtime/engine.h"
 #include "runtime/sampler.h"
 #include "util/error.h"
 #include "util/threadpool.h"
 #ifdef DSX_HAVE_CUDA
-#include "backend/cuda/v41_cuda.h"
+#include "runtime/cuda_engine.h"
 #endif
 
 namespace dsx::cli {
@@ -111,7 +112,7 @@ int cmd_bench(int argc, char** argv) {
     // incremental prefill from the previous frontier
     if (prefill_max > 0 && f - s->position() > prefill_max) {
       const int64_t jump = f - s->position() - prefill_max;
-      if (!s->synthetic_fill(jump, static_cast<uint64_t>(f)))
+      if (!s->backend().synthetic_fill(jump, static_cast<uint64_t>(f)))
         fail("--prefill-max: this backend cannot fill a context synthetically");
       std::printf("# context %lld: %lld tokens filled with random cache contents, %lld prefilled\n", (long long)f,
                   (long long)jump, (long long)prefill_max);
@@ -144,13 +145,13 @@ int cmd_bench(int argc, char** argv) {
 #ifdef DSX_HAVE_CUDA
     if (bytes40_per_layer_ratio > 0) {
       const ModelConfig& cfg = eng->config();
-      r.bytes_per_token = static_cast<double>(weight_bytes_step + cuda_decode_state_bytes(cfg, f));
+      r.bytes_per_token = static_cast<double>(weight_bytes_step + decode_state_bytes(cfg, f));
       r.achieved_gb_s = r.bytes_per_token * r.decode_tok_s / 1e9;
       r.roofline_fraction = copy_bw > 0 ? r.achieved_gb_s / copy_bw : 0;
       if (synthetic) {
         // the 40-layer release at the same achieved bandwidth
         const ModelConfig full = synthetic_v41_flash_config(40);
-        const double full_bytes = static_cast<double>(v41_decode_weight_bytes(full) + cuda_decode_state_bytes(full, f));
+        const double full_bytes = static_cast<double>(v41_decode_weight_bytes(full) + decode_state_bytes(full, f));
         r.projected_tok_s = r.achieved_gb_s * 1e9 / full_bytes;
       }
     }

@@ -22,6 +22,11 @@ int ModelConfig::engram_index(int l) const {
     if (engram_layers[i] == l) return static_cast<int>(i);
   return -1;
 }
+int ModelConfig::tap_index(int l) const {
+  for (size_t i = 0; i < dspark_target_layers.size(); ++i)
+    if (dspark_target_layers[i] == l) return static_cast<int>(i);
+  return -1;
+}
 int ModelConfig::kv_source_of(int l) const {
   int best = -1;
   for (int s : kv_source_layers)
@@ -117,7 +122,10 @@ void validate(ModelConfig& c, const std::string& origin) {
   if (static_cast<int>(c.compress_ratios.size()) < c.n_layers)
     bad("compress_ratios has " + std::to_string(c.compress_ratios.size()) + " entries for " +
         std::to_string(c.n_layers) + " layers");
+  c.n_ratio_entries = static_cast<int>(c.compress_ratios.size());
   c.compress_ratios.resize(static_cast<size_t>(c.n_layers));
+  for (int l : c.dspark_target_layers)
+    if (l < 0 || l >= c.n_layers) bad("dspark target layer " + std::to_string(l) + " out of range");
   if (c.n_experts_per_tok <= 0 || c.n_experts_per_tok > c.n_routed_experts) bad("num_experts_per_tok out of range");
   if (c.scoring_func != "sqrtsoftplus") bad("scoring_func '" + c.scoring_func + "' is not supported");
   if (c.n_shared_experts != 1) bad("n_shared_experts must be 1");
@@ -267,6 +275,13 @@ ModelConfig parse_model_config(const std::string& text, const std::string& origi
       c.engram_pad_id = static_cast<int>(r.i64("engram_pad_token_id", r.i64("engram_pad_id", 2)));
       c.engram_compressed_vocab = r.i64("engram_compressed_vocab_size");
     }
+    c.dspark_target_layers = r.ints_or_empty<int>("dspark_target_layer_ids");
+    std::sort(c.dspark_target_layers.begin(), c.dspark_target_layers.end());
+    c.dspark_block_size = static_cast<int>(r.i64("dspark_block_size", 0));
+    c.dspark_noise_token_id = static_cast<int>(r.i64("dspark_noise_token_id", -1));
+    c.dspark_markov_rank = static_cast<int>(r.i64("dspark_markov_rank", 0));
+    c.dspark_n_routed_experts = static_cast<int>(r.i64("dspark_n_routed_experts", 0));
+    c.dspark_experts_per_tok = static_cast<int>(r.i64("dspark_num_experts_per_tok", 0));
   } else {
     c.n_hash_layers = static_cast<int>(r.i64("num_hash_layers", 0));
   }

@@ -85,8 +85,15 @@ struct ModelConfig {
   // tokens
   int bos_id = 0, eos_id = 1, pad_id = 2;
 
-  // draft modules (names only for now)
-  int n_nextn_layers = 0;
+  // DSpark draft stages (spec dspark.md; the stages themselves are loaded by the drafter)
+  int n_nextn_layers = 0;            // num_nextn_predict_layers
+  int n_ratio_entries = 0;           // len(compress_ratios) as stored (backbone + stages)
+  std::vector<int> dspark_target_layers;  // dspark_target_layer_ids, ascending (the tap order)
+  int dspark_block_size = 0;
+  int dspark_noise_token_id = -1;
+  int dspark_markov_rank = 0;
+  int dspark_n_routed_experts = 0;
+  int dspark_experts_per_tok = 0;
 
   std::string config_json;  // the raw file, for fingerprints
 
@@ -101,6 +108,9 @@ struct ModelConfig {
   int kv_source_of(int l) const;
   int64_t hc_dim() const { return static_cast<int64_t>(hc_mult) * hidden; }
   int hc_mix_dim() const { return (2 + hc_mult) * hc_mult; }
+  // Position of layer l among the DSpark targets (its tap), -1 if none.
+  int tap_index(int l) const;
+  int64_t tap_width() const { return static_cast<int64_t>(dspark_target_layers.size()) * hidden; }
 };
 
 // Parse config.json text (composite V4.1 layout or flat V4 layout). `origin`

@@ -66,9 +66,9 @@ Vec embed_streams(const QMatrix& embed, const int32_t* ids, int64_t T, int64_t M
 void end_step(KVState& st, const int32_t* ids, int64_t T, const Vec& h, int64_t D, const QMatrix& head, bool all_rows,
               float* logits, ForwardDebug* dbg, MatmulFn matmul) {
   if (dbg) dbg->final_norm_out = h;
-  if (all_rows) {
+  if (logits && all_rows) {
     matmul(h.data(), T, head, logits);
-  } else {
+  } else if (logits) {
     matmul(h.data() + (T - 1) * D, 1, head, logits);
   }
   st.tokens.insert(st.tokens.end(), ids, ids + T);
@@ -122,6 +122,15 @@ void sinkhorn(float* C, int64_t M, float eps, int iters) {
     row_norm();
     col_norm();
   }
+}
+
+void stream_mean(const Vec& X, int64_t T, int64_t M, int64_t D, float* out, int64_t ld, int64_t off) {
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t d = 0; d < D; ++d) {
+      float s = 0;
+      for (int64_t m = 0; m < M; ++m) s += X[static_cast<size_t>((t * M + m) * D + d)];
+      out[t * ld + off + d] = s / static_cast<float>(M);
+    }
 }
 
 Vec hc_collapse(const Vec& X, const Vec& pre, int64_t T, int64_t M, int64_t D, Arith arith) {

@@ -70,7 +70,8 @@ void begin_step(StepBase& s, const ModelConfig& cfg, const RopeTable& main_rope,
 Vec embed_streams(const QMatrix& embed, const int32_t* ids, int64_t T, int64_t M, int64_t D);
 
 // §3.6 logits of the final rows h [T, D] (recorded in dbg): every row ([T, vocab])
-// when all_rows, else the last one; then the state moves past the chunk's tokens.
+// when all_rows, else the last one, none when logits is null; then the state moves past
+// the chunk's tokens.
 void end_step(KVState& st, const int32_t* ids, int64_t T, const Vec& h, int64_t D, const QMatrix& head, bool all_rows,
               float* logits, ForwardDebug* dbg, MatmulFn matmul);
 
@@ -84,6 +85,10 @@ void hc_coefficients(const ModelConfig& cfg, const Vec& z, const Vec& base, cons
 // C [M, M] holds logits: every row becomes softmax + eps, then one column
 // normalisation and iters - 1 rounds of row and column normalisation (x / (Σ + eps)).
 void sinkhorn(float* C, int64_t M, float eps, int iters);
+
+// The DSpark tap of every row (spec model-v41.md §1.5): out[t * ld + off + d] = the
+// plain mean over the M streams X[t, m, d] (summed in stream order, divided by M, f32).
+void stream_mean(const Vec& X, int64_t T, int64_t M, int64_t D, float* out, int64_t ld, int64_t off);
 
 // y [T, D] = Σ_m pre_m · X_m; kFusedF32: a chain of FMAs from 0 in stream order;
 // kUnfusedF64: the f32 products summed in f64, rounded once.

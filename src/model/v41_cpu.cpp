@@ -92,11 +92,10 @@ V41Cpu::V41Cpu(ModelConfig cfg, ModelWeights weights, std::vector<int32_t> engra
   }
   main_rope_ = make_main_rope(cfg_);
   compress_rope_ = make_compress_rope(cfg_);
+  fingerprint_ = w_.files ? w_.files->fingerprint() : "";
 }
 
-KVState V41Cpu::new_state(int rollback_depth) const {
-  return make_kv_state(cfg_, rollback_depth, w_.files ? w_.files->fingerprint() : "");
-}
+KVState V41Cpu::new_state(int rollback_depth) const { return make_kv_state(cfg_, rollback_depth); }
 
 // ---------------------------------------------------------------------------
 // §3.2 Engram: gated n-gram memory added to every stream.
@@ -386,7 +385,7 @@ void V41Cpu::moe(int layer, Step& s, const Vec& f, Vec& out) const {
 // ---------------------------------------------------------------------------
 // §3.7 the whole forward for a chunk of tokens.
 void V41Cpu::forward(KVState& st, const int32_t* ids, int64_t T, float* logits, bool all_rows,
-                     ForwardDebug* dbg) const {
+                     ForwardDebug* dbg, float* taps) const {
   Step s;
   fwd::begin_step(s, cfg_, main_rope_, compress_rope_, st, ids, T, dbg);
   const int64_t D = cfg_.hidden, M = cfg_.hc_mult, NL = cfg_.n_layers;
@@ -421,6 +420,7 @@ void V41Cpu::forward(KVState& st, const int32_t* ids, int64_t T, float* logits, 
   for (int l = 0; l < NL; ++l) {
     const LayerWeights& L = w_.layers[static_cast<size_t>(l)];
     if (L.has_engram) engram(l, s, X);
+    if (const int ti = cfg_.tap_index(l); taps && ti >= 0) fwd::stream_mean(X, T, M, D, taps, cfg_.tap_width(), ti * D);
     hc_mix(L.hc_attn_fn, L.hc_attn_base, L.hc_attn_scale, X, T, pa, qa, Ca);
     Vec a = collapse(pre);
     rmsnorm_rows(a, D, L.attn_norm, cfg_.rms_eps);

@@ -35,11 +35,15 @@ class V41Cpu {
   const ModelConfig& config() const { return cfg_; }
   const ModelWeights& weights() const { return w_; }
   KVState new_state(int rollback_depth = 16) const;
+  const std::string& fingerprint() const { return fingerprint_; }
 
   // Feeds ids[0..T) at positions st.pos.. and advances the state. Writes the logits
-  // of every row ([T, vocab]) when all_rows, else of the last row only ([vocab]).
+  // of every row ([T, vocab]) when all_rows, else of the last row only ([vocab]); none
+  // when logits is null. taps (optional, [T, cfg.tap_width()]): the DSpark taps of every
+  // row (spec model-v41.md §1.5: the mean over the hc streams entering each
+  // dspark_target_layer_ids layer, after its Engram, ascending layer order).
   void forward(KVState& st, const int32_t* ids, int64_t T, float* logits, bool all_rows,
-               ForwardDebug* dbg = nullptr) const;
+               ForwardDebug* dbg = nullptr, float* taps = nullptr) const;
 
  private:
   struct Step;  // per-forward scratch shared between layers
@@ -60,6 +64,7 @@ class V41Cpu {
   std::vector<int32_t> cmap_;
   EngramLayout engram_;
   RopeTable main_rope_, compress_rope_;
+  std::string fingerprint_;
 };
 
 }  // namespace dsx

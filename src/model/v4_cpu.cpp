@@ -167,7 +167,7 @@ KVState V4Cpu::new_state(int rollback_depth) const {
   DSX_CHECK(rollback_depth >= 0, "rollback depth must be >= 0");
   KVState st;
   st.rollback_depth = rollback_depth;
-  st.fingerprint = w_.files ? w_.files->fingerprint() : "";
+  st.compact = false;  // (V4's compressed caches are not fake-quantized: f32 sections)
   st.windows.resize(static_cast<size_t>(cfg_.n_layers));
   st.caches.resize(static_cast<size_t>(cfg_.n_layers));
   for (int l = 0; l < cfg_.n_layers; ++l) {

@@ -35,6 +35,7 @@ class V4Cpu {
   const ModelConfig& config() const { return cfg_; }
   const ModelWeightsV4& weights() const { return w_; }
   KVState new_state(int rollback_depth = 16) const;
+  std::string fingerprint() const { return w_.files ? w_.files->fingerprint() : ""; }
   // Throws dsx::Error when a (restored) state does not have this model's geometry.
   void check_state(const KVState& st) const;
 

@@ -1,109 +1,162 @@
-// The CPU reference engines: V41Cpu (and V4Cpu for V4 Flash directories) behind
-// the Engine / Session interface.
-#include <map>
-#include <mutex>
+// The CPU reference engines: V41Cpu (and V4Cpu for V4 Flash directories) behind the
+// Engine / Session interface. The state lives on the host in f32 (model/kv_state.h);
+// a multi-row step runs one reference forward per session (the CPU path is the
+// reference, not the fast one), so every row is exactly what the one-session path
+// computes.
+#include <sys/sysinfo.h>
+
 #include <type_traits>
 
 #include "model/v41_cpu.h"
 #include "model/v4_cpu.h"
 #include "model/weights.h"
-#include "runtime/engine.h"
+#include "runtime/cpu_engine.h"
 #include "runtime/sampler.h"
 #include "util/error.h"
+#include "util/snapshot_io.h"
 #include "util/threadpool.h"
 
 namespace dsx {
 
-int32_t Session::feed_greedy_on_host(const int32_t* ids, int64_t n, int64_t vocab) {
-  greedy_row_.resize(static_cast<size_t>(vocab));
-  feed(ids, n, greedy_row_.data(), false);
-  return argmax(greedy_row_.data(), vocab);
-}
-
 namespace {
 
-// A session of a CPU model M (V41Cpu, or V4Cpu for DeepSeek V4 Flash): the KV state
-// on the host, the forward on the CPU kernels. A restored snapshot replaces the state
-// only once it has been read and checked whole (KVState::restore checks the model
-// fingerprint and the geometry; V4 also checks its pooled-cache rings).
 template <class M>
-class CpuSessionOf : public Session {
+class CpuBackendOf : public Session::Backend {
  public:
-  CpuSessionOf(const M& m, int rollback) : m_(m), st_(m.new_state(rollback)) {}
+  CpuBackendOf(const M& m, int rollback, int64_t capacity)
+      : m_(m), st_(m.new_state(rollback)), capacity_(capacity) {}
   int64_t position() const override { return st_.pos; }
   const std::vector<int32_t>& tokens() const override { return st_.tokens; }
-  void feed(const int32_t* ids, int64_t n, float* logits, bool all_rows) override {
-    m_.forward(st_, ids, n, logits, all_rows);
-  }
-  int32_t feed_greedy(const int32_t* ids, int64_t n) override {
-    return feed_greedy_on_host(ids, n, m_.config().vocab_size);
-  }
-  std::vector<uint8_t> save() const override { return st_.save(); }
-  void restore(const std::vector<uint8_t>& s) override {
-    if constexpr (std::is_same_v<M, V4Cpu>) {
-      KVState tmp = st_;
-      tmp.restore(s.data(), s.size());
-      m_.check_state(tmp);
-      st_ = std::move(tmp);
-    } else {
-      st_.restore(s.data(), s.size());  // transactional itself
-    }
-  }
+  int64_t capacity() const override { return capacity_; }
   void rollback(int64_t p) override { st_.rollback(p); }
+  void reset() override { st_.reset(); }
+  struct Cp : Checkpoint {
+    KVState::Fixed f;
+  };
+  std::unique_ptr<Checkpoint> checkpoint() const override {
+    auto c = std::make_unique<Cp>();
+    c->f = st_.fixed();
+    c->pos = st_.pos;
+    c->bytes = c->f.bytes();
+    return c;
+  }
+  void restore(const Checkpoint& c) override { st_.restore_fixed(static_cast<const Cp&>(c).f); }
+  void save(SnapshotWriter& w) const override { st_.save(w); }
+  void restore(SnapshotReader& r, int64_t pos) override {
+    KVState tmp = st_;
+    tmp.restore(r, pos);  // whole or not at all
+    if constexpr (std::is_same_v<M, V4Cpu>) m_.check_state(tmp);
+    st_ = std::move(tmp);
+  }
   int64_t state_bytes() const override { return st_.bytes(); }
+
+  // One feed: the reference forward, then the greedy pick from the last row.
+  void run(const Feed& f, bool all_rows, std::vector<float>& row) {
+    const int64_t V = m_.config().vocab_size;
+    float* logits = f.logits;
+    if (!logits && f.pick) {
+      row.resize(static_cast<size_t>(V));
+      logits = row.data();
+    }
+    const bool all = all_rows && logits == f.logits;
+    if constexpr (std::is_same_v<M, V4Cpu>) {
+      DSX_CHECK(!f.taps, "taps: the V4 CPU engine has no DSpark taps");
+      m_.forward(st_, f.ids, f.n, logits, all);
+    } else {
+      m_.forward(st_, f.ids, f.n, logits, all, nullptr, f.taps);
+    }
+    if (f.pick) *f.pick = argmax(all ? logits + (f.n - 1) * V : logits, V);
+  }
 
  private:
   const M& m_;
   KVState st_;
+  int64_t capacity_;
 };
+
+int64_t default_cpu_budget() {
+  struct sysinfo si {};
+  if (sysinfo(&si) != 0) return 0;
+  return static_cast<int64_t>(si.totalram) * si.mem_unit / 2;
+}
 
 template <class M>
 class CpuEngineOf : public Engine {
  public:
-  CpuEngineOf(std::unique_ptr<M> m, int rollback, const char* label)
-      : m_(std::move(m)), rollback_(rollback), label_(label) {}
+  CpuEngineOf(std::unique_ptr<M> m, EngineOptions o, const char* family)
+      : Engine(std::move(o)), m_(std::move(m)) {
+    const ModelConfig& c = m_->config();
+    capacity_ = opts_.max_context > 0 ? opts_.max_context : (c.max_position > 0 ? c.max_position : int64_t{1} << 20);
+    KVState st = m_->new_state(opts_.rollback_depth);
+    id_.model_id = m_->fingerprint();
+    id_.family = family;
+    id_.compact = st.compact;
+    id_.geometry = geometry_of(st);
+    fixed_ = st.bytes();
+    // f32 state per token: compressed rows and keys of every KV source (4 B per value)
+    per_token_ = 4;
+    for (const auto& cc : st.caches)
+      if (cc.ratio > 0) per_token_ += 4.0 * (cc.dim + cc.idx_dim) / cc.ratio;
+    budget_ = opts_.state_budget > 0 ? opts_.state_budget : default_cpu_budget();
+  }
   const ModelConfig& config() const override { return m_->config(); }
-  std::unique_ptr<Session> new_session() override { return std::make_unique<CpuSessionOf<M>>(*m_, rollback_); }
-  std::string describe() const override { return cat("cpu f32", label_, ", ", num_threads(), " threads"); }
+  std::string describe() const override { return cat("cpu f32 (", id_.family, "), ", num_threads(), " threads"); }
+  std::string backend_name() const override { return "cpu"; }
+  const StateIdentity& state_identity() const override { return id_; }
+  std::unique_ptr<Session> new_session() override {
+    check_budget(session_bytes(), budget_);
+    return std::make_unique<Session>(*this, std::make_unique<CpuBackendOf<M>>(*m_, opts_.rollback_depth, capacity_));
+  }
+  StateFootprint footprint() const override {
+    StateFootprint f;
+    f.fixed_bytes = fixed_;
+    f.bytes_per_token = per_token_;
+    f.session_bytes = session_bytes();
+    f.budget_bytes = budget_;
+    f.sessions = static_cast<int>(sessions().size());
+    for (const Session* s : sessions()) f.used_bytes += s->state_bytes();
+    return f;
+  }
+
+ protected:
+  void run(const Step& s) override {
+    for (const Feed& f : s.feeds) static_cast<CpuBackendOf<M>&>(f.session->backend()).run(f, s.all_rows, row_);
+  }
 
  private:
+  // what a session may grow to: its capacity, and its checkpoints' fixed parts
+  int64_t session_bytes() const {
+    return fixed_ * (1 + opts_.max_checkpoints) + static_cast<int64_t>(per_token_ * static_cast<double>(capacity_));
+  }
   std::unique_ptr<M> m_;
-  int rollback_;
-  const char* label_;
+  StateIdentity id_;
+  int64_t capacity_ = 0, fixed_ = 0, budget_ = 0;
+  double per_token_ = 0;
+  std::vector<float> row_;
 };
 
-std::map<std::string, EngineFactory>& factories() {
-  static std::map<std::string, EngineFactory> f;
-  return f;
-}
+struct Registration {
+  Registration() {
+    register_engine_backend("cpu", [](const std::string& dir, const EngineOptions& opts) -> std::unique_ptr<Engine> {
+      if (opts.precision != "fp32")
+        fail("the CPU engine computes in fp32 only (got --precision ", opts.precision, ")");
+      ModelConfig cfg = load_model_config(dir);
+      auto files = std::make_shared<ModelFiles>(dir);
+      if (cfg.family == Family::V4)
+        return std::make_unique<CpuEngineOf<V4Cpu>>(std::make_unique<V4Cpu>(cfg, bind_weights_v4(cfg, files)), opts,
+                                                    "deepseek_v4");
+      ModelWeights w = bind_weights(cfg, files);
+      std::vector<int32_t> cmap = load_engram_token_map(dir, cfg);
+      return std::make_unique<CpuEngineOf<V41Cpu>>(std::make_unique<V41Cpu>(cfg, std::move(w), std::move(cmap)), opts,
+                                                   "deepseek_v41");
+    });
+  }
+} registration;
 
 }  // namespace
 
-void register_engine_backend(const std::string& name, EngineFactory f) { factories()[name] = std::move(f); }
-
-std::unique_ptr<Engine> load_engine(const std::string& dir, const EngineOptions& opts) {
-  if (opts.backend != "cpu") {
-    auto it = factories().find(opts.backend);
-    if (it == factories().end())
-      fail("backend '", opts.backend, "' is not available in this build (cpu", factories().empty() ? "" : ", ",
-           [] {
-             std::string s;
-             for (const auto& [k, v] : factories()) s += (s.empty() ? "" : ", ") + k;
-             return s;
-           }(),
-           ")");
-    return it->second(dir, opts);
-  }
-  if (opts.precision != "fp32") fail("the CPU engine computes in fp32 only (got --precision ", opts.precision, ")");
-  ModelConfig cfg = load_model_config(dir);
-  auto files = std::make_shared<ModelFiles>(dir);
-  if (cfg.family == Family::V4)
-    return std::make_unique<CpuEngineOf<V4Cpu>>(std::make_unique<V4Cpu>(cfg, bind_weights_v4(cfg, files)),
-                                                opts.rollback_depth, " (deepseek_v4)");
-  ModelWeights w = bind_weights(cfg, files);
-  std::vector<int32_t> cmap = load_engram_token_map(dir, cfg);
-  return std::make_unique<CpuEngineOf<V41Cpu>>(std::make_unique<V41Cpu>(cfg, std::move(w), std::move(cmap)),
-                                               opts.rollback_depth, "");
+std::unique_ptr<Engine> make_cpu_engine(std::unique_ptr<V41Cpu> model, const EngineOptions& opts) {
+  return std::make_unique<CpuEngineOf<V41Cpu>>(std::move(model), opts, "deepseek_v41");
 }
 
 }  // namespace dsx

@@ -37,6 +37,22 @@ __global__ void onehot_kernel(float* pre, int T, int M) {
 
 __global__ void advance_kernel(int64_t* p, int64_t n) { *p += n; }
 
+__device__ __forceinline__ float load_act(const float* p) { return *p; }
+__device__ __forceinline__ float load_act(const uint16_t* p) { return bf16_to_f32(*p); }
+
+// grid (ceil(D / 256), T): the mean over the M streams, summed in stream order in f32;
+// rounded to bf16 in bf16 mode (the reference's residual precision)
+template <typename T>
+__global__ void stream_mean_kernel(const T* __restrict__ X, int M, int64_t D, float* __restrict__ out, int64_t ld) {
+  const int t = blockIdx.y;
+  const int64_t d = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (d >= D) return;
+  float s = 0;
+  for (int m = 0; m < M; ++m) s += load_act(X + (static_cast<int64_t>(t) * M + m) * D + d);
+  const float v = s / static_cast<float>(M);
+  out[static_cast<int64_t>(t) * ld + d] = sizeof(T) == 2 ? round_bf16(v) : v;
+}
+
 __device__ __forceinline__ uint64_t mix64(uint64_t x) {
   x ^= x >> 33;
   x *= 0xff51afd7ed558ccdull;
@@ -108,6 +124,16 @@ void embed_streams(Act act, const uint16_t* embed, const int32_t* ids, int T, in
 void onehot_pre(float* pre, int T, int M, cudaStream_t stream) {
   const int n = T * M;
   onehot_kernel<<<(n + 255) / 256, 256, 0, stream>>>(pre, T, M);
+  DSX_CUDA_CHECK(cudaGetLastError());
+}
+
+void stream_mean(Act act, const void* X, int T, int M, int64_t D, float* out, int64_t ld, cudaStream_t stream) {
+  if (T <= 0) return;
+  const dim3 grid(static_cast<unsigned>((D + 255) / 256), static_cast<unsigned>(T));
+  if (act == Act::F32)
+    stream_mean_kernel<float><<<grid, 256, 0, stream>>>(static_cast<const float*>(X), M, D, out, ld);
+  else
+    stream_mean_kernel<uint16_t><<<grid, 256, 0, stream>>>(static_cast<const uint16_t*>(X), M, D, out, ld);
   DSX_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -1,6 +1,6 @@
 // Small kernels of the CUDA engine's forward step that belong to no kernel family:
-// embedding gather, the one-hot initial pre-mix, the position counter, synthetic
-// weights. All read their dynamic inputs from device memory (CUDA-graph friendly).
+// embedding gather, the one-hot initial pre-mix, the DSpark taps, the position counter,
+// synthetic weights. All read their dynamic inputs from device memory (CUDA-graph friendly).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -16,6 +16,10 @@ void embed_streams(Act act, const uint16_t* embed, const int32_t* ids, int T, in
 
 // pre[t, :] = (1, 0, ..., 0) for t < T (M entries per row).
 void onehot_pre(float* pre, int T, int M, cudaStream_t stream);
+
+// DSpark taps (spec model-v41.md §1.5): out[t * ld + d] = the mean over the M streams of
+// X[t, m, d] (act), summed in stream order in f32 (bf16 mode: rounded to bf16).
+void stream_mean(Act act, const void* X, int T, int M, int64_t D, float* out, int64_t ld, cudaStream_t stream);
 
 // *d_pos += n.
 void advance_pos(int64_t* d_pos, int64_t n, cudaStream_t stream);

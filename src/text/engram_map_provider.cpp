@@ -1,22 +1,24 @@
-// The Engram compressed token map of a model directory, derived from its
-// tokenizer.json (spec model-v41.md §3.2.1) and cached next to the model.
+// The Engram compressed token map of a model directory, derived from its tokenizer.json
+// (spec model-v41.md §3.2.1): registered with the runtime (runtime/engine.h), which
+// asks for it when an engine loads a model with Engram layers.
 #include "runtime/engine.h"
 #include "text/engram_cmap.h"
 #include "text/tokenizer.h"
 #include "util/error.h"
 #include "util/mmap_file.h"
 
-namespace dsx {
+namespace dsx::text {
 
-std::vector<int32_t> load_engram_token_map(const std::string& dir, const ModelConfig& cfg) {
-  if (cfg.engram_layers.empty()) return {};
+namespace {
+
+std::vector<int32_t> engram_map_of(const std::string& dir, const ModelConfig& cfg) {
   const std::string tj = dir + "/tokenizer.json";
   if (!file_exists(tj))
     fail(dir, ": the model has Engram layers, whose hashes need the compressed token map derived from tokenizer.json, "
               "but the directory has no tokenizer.json");
-  text::Tokenizer tok = text::Tokenizer::from_model_dir(dir);
+  Tokenizer tok = Tokenizer::from_model_dir(dir);
   int32_t n_keys = 0;
-  std::vector<int32_t> map = text::build_engram_token_map(tok, &n_keys);
+  std::vector<int32_t> map = build_engram_token_map(tok, &n_keys);
   if (n_keys != cfg.engram_compressed_vocab)
     fail(tj, ": the tokenizer yields ", n_keys, " distinct Engram keys but the config's engram_compressed_vocab_size is ",
          cfg.engram_compressed_vocab, " (wrong tokenizer for this model?)");
@@ -27,4 +29,10 @@ std::vector<int32_t> load_engram_token_map(const std::string& dir, const ModelCo
   return map;
 }
 
-}  // namespace dsx
+struct Registration {
+  Registration() { register_engram_map_provider(engram_map_of); }
+} registration;
+
+}  // namespace
+
+}  // namespace dsx::text
