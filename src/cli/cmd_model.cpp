@@ -5,7 +5,7 @@
 
 #include "cli/registry.h"
 #include "runtime/engine.h"
-#include "runtime/sampler.h"
+#include "runtime/generate.h"
 #include "util/error.h"
 #include "util/safetensors.h"
 #include "util/threadpool.h"
@@ -65,29 +65,53 @@ int cmd_logits(int argc, char** argv) {
   return 0;
 }
 
+void generate_usage() {
+  std::printf(
+      "usage: dsx generate -m DIR --ids FILE [options]\n"
+      "\n"
+      "Continues a prompt of token ids (the I32 / I64 tensor input_ids of a safetensors\n"
+      "file) and prints the new ids on one line, separated by spaces. Without --stop-eos\n"
+      "it does not stop at the end-of-sentence token: it prints -n ids.\n"
+      "\n"
+      "options:\n"
+      "  -m DIR              model directory\n"
+      "  --ids FILE          safetensors file with input_ids\n"
+      "  -n N                ids to generate (default 16)\n"
+      "  --greedy            temperature 0 (the default; overrides --temperature)\n"
+      "  --temperature T     sampling temperature (default 0: greedy)\n"
+      "  --top-p P           nucleus sampling (default 1: off)\n"
+      "  --top-k K           top-k sampling (default 0: off)\n"
+      "  --seed S            sampling seed (default 0)\n"
+      "  --stop-eos          stop at the model's eos_id (not printed)\n"
+      "  --backend cpu|cuda  (default cpu)\n"
+      "  --precision fp32|bf16  CUDA precision (default fp32)\n"
+      "  --threads N         CPU threads\n"
+      "  -h, --help          this text\n");
+}
+
 int cmd_generate(int argc, char** argv) {
   Args a(argc, argv, with({"-m", "--ids", "-n", "--temperature", "--top-p", "--top-k", "--seed"}, kEngineOpts),
-         {"--greedy"});
+         {"--greedy", "--stop-eos", "-h", "--help"});
+  if (a.has("-h") || a.has("--help")) {
+    generate_usage();
+    return 0;
+  }
   const std::string dir = a.require("-m");
   auto ids = read_ids_file(a.require("--ids"));
   const int64_t n = a.get_int("-n", 16);
   if (n < 0) fail("-n must be >= 0");
-  SamplerOptions so;
-  so.temperature = a.has("--greedy") ? 0.0f : static_cast<float>(a.get_double("--temperature", 0.0));
-  so.top_p = static_cast<float>(a.get_double("--top-p", 1.0));
-  so.top_k = static_cast<int>(a.get_int("--top-k", 0));
-  so.seed = static_cast<uint64_t>(a.get_int("--seed", 0));
-  Sampler sampler(so);
+  GenerateOptions go;
+  go.sampling.temperature = a.has("--greedy") ? 0.0f : static_cast<float>(a.get_double("--temperature", 0.0));
+  go.sampling.top_p = static_cast<float>(a.get_double("--top-p", 1.0));
+  go.sampling.top_k = static_cast<int>(a.get_int("--top-k", 0));
+  go.sampling.seed = static_cast<uint64_t>(a.get_int("--seed", 0));
+  go.max_tokens = n;
+  if (!a.has("--stop-eos")) go.stop_ids.clear();
   auto eng = load_engine(dir, engine_options(a));
-  const int64_t V = eng->config().vocab_size;
-  std::vector<float> logits(static_cast<size_t>(V));
   auto s = eng->new_session();
+  const GenerateResult r = generate(*s, ids, go);
   std::string line;
-  int32_t next = sampler.feed_and_pick(*s, ids.data(), static_cast<int64_t>(ids.size()), logits);
-  for (int64_t i = 0; i < n; ++i) {
-    line += (i ? " " : "") + std::to_string(next);
-    if (i + 1 < n) next = sampler.feed_and_pick(*s, &next, 1, logits);
-  }
+  for (size_t i = 0; i < r.ids.size(); ++i) line += (i ? " " : "") + std::to_string(r.ids[i]);
   std::printf("%s\n", line.c_str());
   return 0;
 }
