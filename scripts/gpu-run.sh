@@ -2,6 +2,11 @@
 # Runs on a GPU machine in one call: the GPU tests, the golden cases on the GPU and
 # the benchmark, writing a summary and the raw outputs to the folder given.
 #   bash scripts/gpu-run.sh OUT_DIR [BUILD_DIR] [GOLDEN_DIR]
+# Environment: DSX_BENCH_ARGS (the benchmark; none: no benchmark), DSX_BASE_BUILD (a
+# folder with the dsx of another build: the benchmark then runs interleaved, base and
+# this build, DSX_AB_ROUNDS times, default 2), DSX_ROWS_ARGS (a `dsx bench` of step
+# time by row count, e.g. "--synthetic v41-flash --layers 8 --precision bf16
+# --frontiers 8k --rows 1,2,4,6,8,16 --batch").
 # The build directory is made on the development machine with
 #   cmake -S . -B build-gpu -DDSX_STATIC_DEPS=ON && cmake --build build-gpu
 # (third-party libraries and libstdc++ linked statically) and carried along.
@@ -20,7 +25,7 @@ export DSX_GOLDEN_DIR="$golden"
 export DSX_BUILD_DIR="$build"
 
 log "## GPU kernel tests"
-"$build/dsx_tests" --gtest_filter='*Cuda*' >"$out/gpu_tests.log" 2>&1
+"$build/dsx_tests" --gtest_filter='*Cuda*:*/cuda' >"$out/gpu_tests.log" 2>&1
 log "exit $? ; $(grep -E '^\[  (PASSED|FAILED)  \]' "$out/gpu_tests.log" | tr '\n' ' ')"
 grep -E '^\[  FAILED  \]' "$out/gpu_tests.log" | head -40 | tee -a "$summary"
 
@@ -41,10 +46,30 @@ for case in "$golden"/deepseek_v41*; do
 done
 
 if [ -n "${DSX_BENCH_ARGS:-}" ]; then
-  log "## dsx bench $DSX_BENCH_ARGS"
+  if [ -n "${DSX_BASE_BUILD:-}" ]; then
+    for r in $(seq 1 "${DSX_AB_ROUNDS:-2}"); do
+      for b in base new; do
+        bin="$build/dsx"; [ "$b" = base ] && bin="$DSX_BASE_BUILD/dsx"
+        log "## A/B round $r: $b: dsx bench $DSX_BENCH_ARGS"
+        # shellcheck disable=SC2086
+        "$bin" bench $DSX_BENCH_ARGS >"$out/ab_${b}_$r.log" 2>&1
+        log "exit $?"
+        grep -E "^context|copy bandwidth" "$out/ab_${b}_$r.log" | tee -a "$summary"
+      done
+    done
+  else
+    log "## dsx bench $DSX_BENCH_ARGS"
+    # shellcheck disable=SC2086
+    "$build/dsx" bench $DSX_BENCH_ARGS --csv "$out/bench.csv" --svg "$out/bench.svg" >"$out/bench.log" 2>&1
+    log "exit $?"
+    cat "$out/bench.log" >>"$summary"
+  fi
+fi
+if [ -n "${DSX_ROWS_ARGS:-}" ]; then
+  log "## dsx bench $DSX_ROWS_ARGS"
   # shellcheck disable=SC2086
-  "$build/dsx" bench $DSX_BENCH_ARGS --csv "$out/bench.csv" --svg "$out/bench.svg" >"$out/bench.log" 2>&1
+  "$build/dsx" bench $DSX_ROWS_ARGS >"$out/rows.log" 2>&1
   log "exit $?"
-  cat "$out/bench.log" >>"$summary"
+  grep -E "^rows|^sessions|^context|copy bandwidth" "$out/rows.log" | tee -a "$summary"
 fi
 log "# done"

@@ -5,7 +5,9 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <algorithm>
 #include <fstream>
+#include <functional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -46,11 +48,86 @@ std::vector<int64_t> parse_frontiers(const std::string& s) {
   return v;
 }
 
+std::vector<int> parse_rows(const std::string& s) {
+  std::vector<int> v;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    char* end = nullptr;
+    const long x = std::strtol(item.c_str(), &end, 10);
+    if (!end || *end || x < 1 || x > 64) fail("bad row count '", item, "' (1 .. 64)");
+    v.push_back(static_cast<int>(x));
+  }
+  if (v.empty()) fail("--rows: no row counts");
+  return v;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+// Step time by row count at the session's context: one session, k rows per step with the
+// greedy id of every row (the shape of a speculative verify: the weights streamed once,
+// the head over every row), then rolled back; with --batch also k sessions of one row
+// each (batched decode). Each shape first runs a few steps (eager, then captured).
+void bench_rows(Engine& eng, Session& s, const std::vector<int>& rows, int iters, bool batch) {
+  const int64_t f = s.position();
+  std::mt19937 rng(7);
+  const int32_t V = static_cast<int32_t>(std::min<int64_t>(eng.config().vocab_size, 128000));
+  std::uniform_int_distribution<int32_t> tok(3, V - 1);
+  auto time_step = [&](const Step& st, const std::function<void()>& undo) {
+    std::vector<double> ms;
+    for (int i = 0; i < iters + 3; ++i) {
+      const double t0 = now_s();
+      eng.step(st);
+      const double t1 = now_s();
+      undo();
+      if (i >= 3) ms.push_back((t1 - t0) * 1e3);
+    }
+    return median(ms);
+  };
+  double one = 0;
+  for (int k : rows) {
+    if (k > eng.options().rollback_depth) fail("--rows: ", k, " rows exceed the rollback depth (", eng.options().rollback_depth, ")");
+    std::vector<int32_t> ids(static_cast<size_t>(k)), picks(static_cast<size_t>(k));
+    for (auto& x : ids) x = tok(rng);
+    Step st;
+    st.feeds.push_back(Feed{&s, ids.data(), k, nullptr, nullptr, nullptr, picks.data()});
+    const double ms = time_step(st, [&] { s.rollback(f); });
+    if (k == rows.front()) one = ms;
+    std::printf("rows %2d  context %lld  step %.3f ms  (%.2fx the %d-row step)\n", k, (long long)f, ms,
+                one > 0 ? ms / one : 0.0, rows.front());
+    std::fflush(stdout);
+  }
+  if (!batch) return;
+  const std::vector<uint8_t> snap = s.save();
+  double one_b = 0;
+  for (int k : rows) {
+    std::vector<std::unique_ptr<Session>> ss;
+    for (int i = 0; i < k; ++i) {
+      ss.push_back(eng.new_session());
+      ss.back()->restore(snap);
+    }
+    std::vector<int32_t> ids(static_cast<size_t>(k)), picks(static_cast<size_t>(k));
+    for (auto& x : ids) x = tok(rng);
+    Step st;
+    for (int i = 0; i < k; ++i) st.feeds.push_back(Feed{ss[static_cast<size_t>(i)].get(), &ids[i], 1, nullptr, nullptr, &picks[i]});
+    const double ms = time_step(st, [&] {
+      for (auto& x : ss) x->rollback(f);
+    });
+    if (k == rows.front()) one_b = ms;
+    std::printf("sessions %2d x 1 row  context %lld  step %.3f ms  (%.2fx the %d-session step)\n", k, (long long)f, ms,
+                one_b > 0 ? ms / one_b : 0.0, rows.front());
+    std::fflush(stdout);
+  }
+}
+
 int cmd_bench(int argc, char** argv) {
   Args a(argc, argv,
          {"-m", "--backend", "--precision", "--threads", "--frontiers", "--chunk", "--decode-tokens", "--csv", "--svg",
-          "--seed", "--synthetic", "--layers", "--prefill-max"},
-         {});
+          "--seed", "--synthetic", "--layers", "--prefill-max", "--rows", "--iters"},
+         {"--batch"});
   // Intervals longer than --prefill-max tokens are prefilled only for their last
   // --prefill-max tokens; the rest is filled with random cache contents
   // (synthetic_fill) when the backend supports it. 0 = always prefill.
@@ -61,6 +138,7 @@ int cmd_bench(int argc, char** argv) {
   if (a.has("--threads")) set_num_threads(static_cast<int>(a.get_int("--threads", 0)));
   auto frontiers = parse_frontiers(a.get_or("--frontiers", "128,256,512"));
   o.max_context = frontiers.back() + 64;
+  o.checkpoint_every = 0;  // (steady decode: no prefix-sync checkpoints inside the timed steps)
   const int64_t chunk = a.get_int("--chunk", 512);
   const int64_t ndec = a.get_int("--decode-tokens", 16);
   std::unique_ptr<Engine> eng;
@@ -83,8 +161,9 @@ int cmd_bench(int argc, char** argv) {
     auto st = cuda_engine_stats(*eng);
     copy_bw = st.copy_bandwidth_gb_s;
     weight_bytes_step = st.decode_weight_bytes;
-    std::printf("# device copy bandwidth %.1f GB/s; weights on device %.2f GB; weight bytes per decode step %.3f GB\n",
-                copy_bw, st.weight_bytes / 1e9, weight_bytes_step / 1e9);
+    std::printf("# device copy bandwidth %.1f GB/s; weights on device %.2f GB; weight bytes per decode step %.3f GB; "
+                "shared workspace %.2f GB\n",
+                copy_bw, st.weight_bytes / 1e9, weight_bytes_step / 1e9, st.workspace_bytes / 1e9);
     bytes40_per_layer_ratio = 1;
   }
 #endif
@@ -103,8 +182,9 @@ int cmd_bench(int argc, char** argv) {
     w->feed(ids.data(), static_cast<int64_t>(ids.size()), wl.data(), false);
   }
   auto s = eng->new_session();
-  std::printf("# session state: %.3f GB allocated for up to %lld tokens\n", s->state_bytes() / 1e9,
-              (long long)o.max_context);
+  const StateFootprint fp = eng->footprint();
+  std::printf("# session state: %.3f GB allocated for up to %lld tokens (%.0f B per token, %.2f MB fixed)\n",
+              s->state_bytes() / 1e9, (long long)o.max_context, fp.bytes_per_token, fp.fixed_bytes / 1e6);
   std::vector<float> logits(static_cast<size_t>(V));  // the last row of each fed chunk
   for (int64_t f : frontiers) {
     BenchRow r;
@@ -165,6 +245,10 @@ int cmd_bench(int argc, char** argv) {
                   r.projected_tok_s > 0 ? cat(", projected 40 layers ", r.projected_tok_s, " tok/s").c_str() : "");
     std::printf("\n");
     std::fflush(stdout);
+  }
+  if (a.has("--rows")) {
+    std::printf("# step time by row count (one session; --batch: sessions of one row)\n");
+    bench_rows(*eng, *s, parse_rows(a.require("--rows")), static_cast<int>(a.get_int("--iters", 20)), a.has("--batch"));
   }
   if (a.has("--csv")) write_bench_csv(a.require("--csv"), rows);
   if (a.has("--svg")) write_bench_svg(a.require("--svg"), rows, eng->describe());

@@ -1,6 +1,7 @@
 #include "cli/registry.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 
 #include "util/error.h"
@@ -25,6 +26,21 @@ Args::Args(int argc, char** argv, const std::vector<std::string>& value_opts,
   auto in = [](const std::vector<std::string>& v, const std::string& s) {
     return std::find(v.begin(), v.end(), s) != v.end();
   };
+  // --help (unless the command answers it itself): the command's summary and options
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if ((a == "--help" || a == "-h") && !in(flag_opts, a)) {
+      const std::string name = argc > 0 ? argv[0] : "?";
+      std::printf("usage: dsx %s [options]\n", name.c_str());
+      for (const Command& c : registry())
+        if (c.name == name) std::printf("%s\n", c.summary.c_str());
+      std::printf("\noptions:\n");
+      for (const auto& o : value_opts) std::printf("  %s VALUE\n", o.c_str());
+      for (const auto& o : flag_opts) std::printf("  %s\n", o.c_str());
+      std::printf("  -h, --help\n");
+      std::exit(0);
+    }
+  }
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a.size() > 1 && a[0] == '-' && !(a.size() > 1 && (std::isdigit(static_cast<unsigned char>(a[1])) != 0))) {

@@ -5,6 +5,7 @@
 // computes.
 #include <sys/sysinfo.h>
 
+#include <algorithm>
 #include <type_traits>
 
 #include "model/v41_cpu.h"
@@ -54,11 +55,12 @@ class CpuBackendOf : public Session::Backend {
   void run(const Feed& f, bool all_rows, std::vector<float>& row) {
     const int64_t V = m_.config().vocab_size;
     float* logits = f.logits;
-    if (!logits && f.pick) {
-      row.resize(static_cast<size_t>(V));
+    // (every row's logits for picks; the last row's for a pick alone)
+    const bool all = (all_rows && f.logits) || f.picks;
+    if ((!logits && f.pick) || (f.picks && !(all_rows && f.logits))) {
+      row.resize(static_cast<size_t>(all ? f.n * V : V));
       logits = row.data();
     }
-    const bool all = all_rows && logits == f.logits;
     if constexpr (std::is_same_v<M, V4Cpu>) {
       DSX_CHECK(!f.taps, "taps: the V4 CPU engine has no DSpark taps");
       m_.forward(st_, f.ids, f.n, logits, all);
@@ -66,6 +68,10 @@ class CpuBackendOf : public Session::Backend {
       m_.forward(st_, f.ids, f.n, logits, all, nullptr, f.taps);
     }
     if (f.pick) *f.pick = argmax(all ? logits + (f.n - 1) * V : logits, V);
+    if (f.picks)
+      for (int64_t t = 0; t < f.n; ++t) f.picks[t] = argmax(logits + t * V, V);
+    if (f.logits && !all_rows && logits != f.logits)
+      std::copy(logits + (f.n - 1) * V, logits + f.n * V, f.logits);  // (logits of the last row)
   }
 
  private:

@@ -39,8 +39,9 @@ struct EngineOptions {
 // session->position() ... Outputs (any may be null):
 //   logits: [n, vocab] (Step::all_rows) or [vocab] (the last row);
 //   taps:   [n, tap_width()] DSpark taps of every row (model-v41.md §1.5);
-//   pick:   the greedy id (argmax, ties to the lowest id) of the last row.
-// Rows of a feed whose logits and pick are both null skip the head.
+//   pick:   the greedy id (argmax, ties to the lowest id) of the last row;
+//   picks:  [n] the greedy id of every row (a speculative verify).
+// Rows of a feed that asks for none of logits, pick and picks skip the head.
 struct Feed {
   Session* session = nullptr;
   const int32_t* ids = nullptr;
@@ -48,6 +49,7 @@ struct Feed {
   float* logits = nullptr;
   float* taps = nullptr;
   int32_t* pick = nullptr;
+  int32_t* picks = nullptr;
 };
 
 struct Step {
@@ -116,8 +118,8 @@ class Engine {
 
 // What Session::sync did.
 struct SyncResult {
-  int64_t reused = 0;       // tokens kept from the session's state
-  int64_t prefilled = 0;    // tokens fed
+  int64_t reused = 0;       // tokens whose state was kept (not computed again)
+  int64_t prefilled = 0;    // tokens fed (a replay from a checkpoint counts here)
   int64_t checkpoint = -1;  // position of the checkpoint restored (-1: none)
 };
 

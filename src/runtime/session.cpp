@@ -134,7 +134,10 @@ void Session::go_back(int64_t target, SyncResult* r) {
   } else {
     b_->reset();
   }
-  if (r) r->checkpoint = cps_.empty() ? -1 : from;
+  if (r) {
+    r->checkpoint = cps_.empty() ? -1 : from;
+    r->reused = from;  // (the replayed tokens are computed again)
+  }
   for (int64_t q = from; q < target;) {
     const int64_t every = eng_.options().checkpoint_every;
     const int64_t last = cps_.empty() ? 0 : cps_.back()->pos;
@@ -155,8 +158,9 @@ SyncResult Session::sync(const int32_t* ids, int64_t n, float* logits) {
   // (with logits wanted, the last token is fed again: its logits are not kept)
   const int64_t keep = logits ? std::min(c, n - 1) : c;
   SyncResult r;
+  r.reused = -1;
   if (keep < position()) go_back(keep, &r);
-  r.reused = position();
+  if (r.reused < 0) r.reused = position();
   r.prefilled = n - r.reused;
   // prefill the rest, in pieces that end where a checkpoint is due
   const int64_t every = eng_.options().checkpoint_every;

@@ -223,6 +223,10 @@ void Forward::run(const Pass& p) {
   }
   prof_.mark("final hc+norm", s_.main);
   if (p.head == Pass::Head::Last) head_last(p);
+  if (p.head == Pass::Head::All && p.T <= kHeadRows) {  // (longer passes: the runner, in blocks)
+    head_rows(0, p.T);
+    if (p.pick) argmax_rows(w_.logits, c_.vocab_size, p.T, c_.vocab_size, w_.d_pick, s_.main, w_.h_pick.data());
+  }
   for (const Segment& sg : p.segs) advance_pos(sg.s->cache->d_pos(), sg.n, s_.main);
   join_sides();
   prof_.mark("head", s_.main);
@@ -279,9 +283,18 @@ void Forward::moe(const Pass& p, int l) {
                   w_.route_w, s_.main);
   }
   prof_.mark("router", s_.main);
-  if (T <= kGemvMaxT) {
+  if (T <= kMoeDecodeRows) {
     moe_decode(L.moe, m_.act, w_.f, D, T, K, w_.route_ids, w_.route_w, m_.act, w_.y, D, w_.moe_ws, w_.moe_ws_bytes,
                s_.main, staged_x(w_.xst_ffn, T));
+  } else if (T <= kGemvMaxT) {
+    // (the tensor-core decode kernels take up to kMoeDecodeRows rows: more in two launches,
+    // each with its own workspace, rows being independent in the MoE)
+    const size_t half = w_.moe_ws_bytes / 2;
+    for (int r0 = 0; r0 < T; r0 += kMoeDecodeRows) {
+      const int n = std::min(kMoeDecodeRows, T - r0);
+      moe_decode(L.moe, m_.act, act_row(w_.f, r0, D), D, n, K, w_.route_ids + r0 * K, w_.route_w + r0 * K, m_.act,
+                 act_row(w_.y, r0, D), D, static_cast<char*>(w_.moe_ws) + (r0 ? half : 0), half, s_.main, nullptr);
+    }
   } else {
     moe_prefill(L.moe, m_.act, w_.f, D, T, K, w_.route_ids, w_.route_w, m_.act, w_.y, D, w_.moe_ws, w_.moe_ws_bytes,
                 s_.main);

@@ -31,8 +31,11 @@ struct Segment {
 struct Pass {
   std::vector<Segment> segs;
   int T = 0;  // rows
+  // Last: the last row of every segment with `head` (logits row k: the k-th of them);
+  // All: every row (logits row r: row r; passes of more than kHeadRows rows leave the
+  // head to head_rows)
   enum class Head { None, Last, All } head = Head::Last;
-  bool pick = false;          // Head::Last: greedy ids of the head rows into d_pick / h_pick
+  bool pick = false;          // greedy ids of the head's logits rows into d_pick / h_pick
   bool pick_in_head = false;  // (one row: the head's product itself picks, into d_ids: run-ahead input)
   bool taps = false;          // DSpark taps of every row into Workspace::taps
   int l0 = 0, l1 = -1;        // layers of this part of the step (-1: to the end)
@@ -43,7 +46,7 @@ class Forward {
   Forward(const DeviceModel& m, Workspace& w, Streams& s, StageTimer& prof) : m_(m), c_(m.cfg), w_(w), s_(s), prof_(prof) {}
   // The kernels of one pass: the embedding (l0 == 0), layers [l0, l1), the final fold,
   // the head (Head::Last) and the position advance (l1 == n_layers). Head::All leaves
-  // the head to head_rows().
+  // the head of passes longer than kHeadRows to head_rows().
   void run(const Pass& p);
   // Logits of rows [r0, r0 + n) of the final norm's output (n <= kHeadRows) into
   // Workspace::logits.

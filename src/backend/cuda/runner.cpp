@@ -229,18 +229,20 @@ void Runner::step(const std::vector<SegmentFeed>& feeds, bool all_rows) {
     DSX_CHECK(!f.taps || W > 0, "taps: the model has no DSpark target layers");
   }
   const SegmentFeed& f0 = feeds[0];
-  if (feeds.size() == 1 && f0.n == 1 && f0.pick && !f0.logits && !f0.taps && !all_rows) {
+  if (feeds.size() == 1 && f0.n == 1 && f0.pick && !f0.logits && !f0.taps && !f0.picks && !all_rows) {
     greedy_one(*f0.s, f0.ids[0], f0.pick);
     return;
   }
   drop_ahead();
-  picked_ = false;
+  // every row through the head: all-row logits or per-row picks asked for
+  bool every_row = false;
+  for (const SegmentFeed& f : feeds) every_row |= (all_rows && f.logits) || f.picks;
   const int R = w_->max_rows;
   std::vector<int64_t> done(feeds.size(), 0);
   size_t first = 0;  // the first feed with rows left
   while (first < feeds.size()) {
     Pass p;
-    p.head = all_rows ? Pass::Head::All : Pass::Head::Last;
+    p.head = every_row ? Pass::Head::All : Pass::Head::Last;
     std::vector<const int32_t*> ids;
     std::vector<size_t> src;  // feed of each segment
     for (size_t i = first; i < feeds.size() && p.T < R; ++i) {
@@ -250,63 +252,91 @@ void Runner::step(const std::vector<SegmentFeed>& feeds, bool all_rows) {
       sg.s = f.s;
       sg.r0 = p.T;
       sg.n = k;
-      sg.head = !all_rows && done[i] + k == f.n && (f.logits || f.pick);
-      p.pick |= sg.head && f.pick;
+      const bool last = done[i] + k == f.n;
+      sg.head = (every_row && (f.logits || f.picks || f.pick)) || (last && (f.logits || f.pick));
+      p.pick |= (last && f.pick) || f.picks;
       p.taps |= f.taps != nullptr;
       p.segs.push_back(sg);
       ids.push_back(f.ids + done[i]);
       src.push_back(i);
       p.T += k;
     }
-    const bool decode_sized = p.T <= kGemvMaxT && !all_rows;
+    bool any_head = false;
+    for (const Segment& sg : p.segs) any_head |= sg.head;
+    if (!any_head) p.head = Pass::Head::None, p.pick = false;
+    const bool decode_sized = p.T <= kGemvMaxT;
     for (size_t i = 0; i < p.segs.size(); ++i) {
       Segment& sg = p.segs[i];
       const int64_t end = feeds[src[i]].s->pos + sg.n;
       sg.ctx_bound = decode_sized ? decode_graph_ctx(end) : end;
     }
-    p.pick_in_head = p.T == 1 && p.segs[0].head;
+    p.pick_in_head = p.head == Pass::Head::Last && p.T == 1 && p.segs[0].head;
     if (p.pick_in_head) p.pick = false;  // (the head's product picks: the same graph as a greedy step's)
     run_pass(p, ids, decode_sized);
-    // outputs
+    // outputs: the logits row of a segment's row t (Head::All: the pass row; Head::Last:
+    // the k-th head segment's last row)
+    std::vector<float*> pinned_rows;  // (Head::Last rows staged in pinned memory)
+    auto copy_rows = [&](float* dst, int64_t from, int64_t n) {
+      DSX_CUDA_CHECK(cudaMemcpyAsync(dst, w_->logits + from * V, static_cast<size_t>(n * V) * 4, cudaMemcpyDeviceToHost,
+                                     s_->main));
+    };
     int hk = 0;
     for (size_t i = 0; i < p.segs.size(); ++i) {
       const Segment& sg = p.segs[i];
       const SegmentFeed& f = feeds[src[i]];
+      const int64_t off = done[src[i]];
       if (f.taps)
-        DSX_CUDA_CHECK(cudaMemcpyAsync(f.taps + done[src[i]] * W, w_->taps + static_cast<int64_t>(sg.r0) * W,
+        DSX_CUDA_CHECK(cudaMemcpyAsync(f.taps + off * W, w_->taps + static_cast<int64_t>(sg.r0) * W,
                                        static_cast<size_t>(sg.n * W) * 4, cudaMemcpyDeviceToHost, s_->main));
-      if (!sg.head) continue;
-      if (f.logits) {
-        float* dst = hk < kGemvMaxT ? w_->h_logits.data() + hk * V : f.logits;
-        DSX_CUDA_CHECK(cudaMemcpyAsync(dst, w_->logits + hk * V, static_cast<size_t>(V) * 4, cudaMemcpyDeviceToHost,
-                                       s_->main));
+      if (p.head == Pass::Head::Last && sg.head) {
+        if (f.logits) copy_rows(hk < kGemvMaxT ? w_->h_logits.data() + hk * V : f.logits, hk, 1);
+        ++hk;
       }
-      ++hk;
+      if (p.head == Pass::Head::All && p.T <= kHeadRows && f.logits && sg.head) {
+        if (all_rows)
+          copy_rows(f.logits + off * V, sg.r0, sg.n);
+        else if (off + sg.n == f.n)
+          copy_rows(f.logits, sg.r0 + sg.n - 1, 1);
+      }
     }
-    if (all_rows) {
+    if (p.head == Pass::Head::All && p.T > kHeadRows) {
       for (int b = 0; b < p.T; b += kHeadRows) {
         const int nb = std::min(kHeadRows, p.T - b);
         fwd_->head_rows(b, nb);
+        if (p.pick) argmax_rows(w_->logits, V, nb, V, w_->d_pick + b, s_->main, w_->h_pick.data() + b);
         for (size_t i = 0; i < p.segs.size(); ++i) {
           const Segment& sg = p.segs[i];
           const SegmentFeed& f = feeds[src[i]];
-          const int lo = std::max(b, sg.r0), hi = std::min(b + nb, sg.r0 + sg.n);
-          if (!f.logits || lo >= hi) continue;
-          DSX_CUDA_CHECK(cudaMemcpyAsync(f.logits + (done[src[i]] + lo - sg.r0) * V, w_->logits + (lo - b) * V,
-                                         static_cast<size_t>((hi - lo) * V) * 4, cudaMemcpyDeviceToHost, s_->main));
+          int lo = std::max(b, sg.r0);
+          const int hi = std::min(b + nb, sg.r0 + sg.n);
+          if (!f.logits || !sg.head || lo >= hi) continue;
+          if (!all_rows) {  // (only the feed's last row)
+            if (done[src[i]] + sg.n != f.n || hi != sg.r0 + sg.n) continue;
+            lo = hi - 1;
+          }
+          float* dst = f.logits + (all_rows ? (done[src[i]] + lo - sg.r0) * V : 0);
+          DSX_CUDA_CHECK(cudaMemcpyAsync(dst, w_->logits + (lo - b) * V, static_cast<size_t>((hi - lo) * V) * 4,
+                                         cudaMemcpyDeviceToHost, s_->main));
         }
         DSX_CUDA_CHECK(cudaStreamSynchronize(s_->main));  // (the next block rewrites the logits)
       }
     }
     DSX_CUDA_CHECK(cudaStreamSynchronize(s_->main));
     hk = 0;
+    const int32_t* hp = w_->h_pick.data();
     for (size_t i = 0; i < p.segs.size(); ++i) {
       const Segment& sg = p.segs[i];
       const SegmentFeed& f = feeds[src[i]];
-      if (sg.head) {
+      const int64_t off = done[src[i]];
+      const bool last = off + sg.n == f.n;
+      if (p.head == Pass::Head::Last && sg.head) {
         if (f.logits && hk < kGemvMaxT) std::memcpy(f.logits, w_->h_logits.data() + hk * V, static_cast<size_t>(V) * 4);
-        if (f.pick) *f.pick = w_->h_pick.data()[hk];
+        if (f.pick && last) *f.pick = hp[p.pick_in_head ? 0 : hk];
         ++hk;
+      }
+      if (p.head == Pass::Head::All && sg.head) {
+        if (f.pick && last) *f.pick = hp[sg.r0 + sg.n - 1];
+        if (f.picks) std::copy(hp + sg.r0, hp + sg.r0 + sg.n, f.picks + off);
       }
       DeviceSession& s = *f.s;
       s.tokens.insert(s.tokens.end(), ids[i], ids[i] + sg.n);

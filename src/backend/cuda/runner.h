@@ -33,6 +33,7 @@ struct SegmentFeed {
   float* logits = nullptr;  // [n, vocab] (all_rows) or [vocab]; may be null
   float* taps = nullptr;    // [n, tap_width]; may be null
   int32_t* pick = nullptr;  // greedy id of the last row; may be null
+  int32_t* picks = nullptr; // [n] greedy id of every row; may be null
 };
 
 struct RunnerStats {
@@ -109,7 +110,6 @@ class Runner {
   Ahead ahead_;
   DeviceSession* stashed_session_ = nullptr;
   int64_t stashed_pos_ = -1;  // the position whose step slots the stash holds (-1: none)
-  bool picked_ = false;       // the last greedy step's graph picked (into h_pick[0])
   // DSX_GRAPH_TIMING
   bool graph_timing_ = false, timing_pending_ = false;
   double graph_ms_ = 0, step_wall_ms_ = 0;

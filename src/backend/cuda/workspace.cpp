@@ -51,8 +51,10 @@ Workspace::Workspace(const DeviceModel& m, int rows, int64_t ctx, int64_t stash_
     consider(L.wo_a, false, c.o_groups);
   }
   consider(m.head, false, 1);
-  moe_ws_bytes = std::max(moe_decode_ws_bytes(m.layers[0].moe, kGemvMaxT, static_cast<int>(K)),
-                          moe_prefill_ws_bytes(m.layers[0].moe, max_rows, static_cast<int>(K)));
+  moe_ws_bytes = std::max({moe_decode_ws_bytes(m.layers[0].moe, kMoeDecodeRows, static_cast<int>(K)) * 2,
+                           moe_decode_ws_bytes(m.layers[0].moe, kGemvMaxT, static_cast<int>(K)),
+                           moe_prefill_ws_bytes(m.layers[0].moe, max_rows, static_cast<int>(K))});
+  moe_ws_bytes = (moe_ws_bytes + 511) & ~size_t{511};  // (two aligned halves)
   const int nl = m.engram.n_layers, nc = m.engram.n_cols;
   const int64_t ed = c.engram_head_dim, W = c.tap_width();
 

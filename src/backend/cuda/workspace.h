@@ -13,7 +13,8 @@
 namespace dsx::cuda {
 
 constexpr int kGemvMaxT = 16;   // up to this many rows use the weight-streaming GEMV
-constexpr int kHeadRows = 256;  // rows per head product (all-row logits go out in blocks of this)
+constexpr int kHeadRows = 256;
+constexpr int kMoeDecodeRows = 8;  // rows per MoE decode launch (the tensor-core kernels' limit)  // rows per head product (all-row logits go out in blocks of this)
 
 struct Workspace {
   Workspace(const DeviceModel& m, int max_rows, int64_t max_ctx, int64_t stash_bytes);
