@@ -19,11 +19,6 @@ bool device_available() {
   return cached == 1;
 }
 
-int env_int(const char* name, int dflt) {
-  const char* v = std::getenv(name);
-  return (v && *v) ? std::atoi(v) : dflt;
-}
-
 namespace {
 std::vector<void (*)(TraceRec*, unsigned*)>& trace_setters() {
   static std::vector<void (*)(TraceRec*, unsigned*)> v;

@@ -24,10 +24,6 @@ namespace dsx::cuda {
 // True when a CUDA device is present and usable (tests skip otherwise).
 bool device_available();
 
-// Integer value of the environment variable `name` (a runtime switch such as DSX_PDL),
-// dflt when it is unset or empty. Callers read a switch once and cache it.
-int env_int(const char* name, int dflt);
-
 // Kernel timeline, a development aid of builds configured with -DDSX_KERNEL_TRACE=ON (off by
 // default; no cost otherwise): thread 0 of block 0 of every kernel that calls dev::pdl_wait
 // records when it reached the wait and when the wait returned (%globaltimer ns), with its
