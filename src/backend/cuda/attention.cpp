@@ -222,9 +222,9 @@ void Forward::attention(const Pass& p, int l) {
     // BF16 mode: the tensor-core attention (same numerics up to f32 summation order)
     aa.tensor_cores = m_.act == Act::BF16 && sw::on(sw::Id::ATTN_MMA);
     aa.out = act_row(w_.o, sg.r0, H * hd), aa.d_pos = sg.s->cache->d_pos();
-    if (sg.n == 1 && i < static_cast<size_t>(kGemvMaxT)) {  // (a decode query: split over blocks, own work rows)
+    if (T <= kGemvMaxT) {  // (decode-sized: every query's rows split over blocks, flash-decoding)
       aa.n_splits = w_.attn_splits;
-      aa.work = w_.attn_work + i * attention_work_floats(1, static_cast<int>(H), static_cast<int>(hd), w_.attn_splits);
+      aa.work = w_.attn_work + sg.r0 * attention_work_floats(1, static_cast<int>(H), static_cast<int>(hd), w_.attn_splits);
     }
     sparse_attention(m_.act, aa, main);
     if (sg.n > 1)

@@ -109,7 +109,7 @@ Workspace::Workspace(const DeviceModel& m, int rows, int64_t ctx, int64_t stash_
     cand_count = static_cast<int32_t*>(take(T * 4));
     sel = static_cast<int32_t*>(take(T * c.index_topk * 4));
     sel_count = static_cast<int32_t*>(take(T * 4));
-    // (split decode attention of up to kGemvMaxT one-row segments, each its own rows)
+    // (split decode attention of up to kGemvMaxT rows, each its own work rows)
     attn_work = static_cast<float*>(take(attention_work_floats(1, static_cast<int>(H), static_cast<int>(hd), attn_splits) *
                                          4 * std::min<int64_t>(T, kGemvMaxT)));
     router_logits = static_cast<float*>(take(T * E * 4));
