@@ -420,6 +420,11 @@ TEST(ApiChat, SamplingAndLimits) {
   r = parse_ok(req({{"n", 1}, {"stop", "###"}, {"stream", false}, {"prompt_cache_key", "sess-1"}}));
   EXPECT_EQ(r.stop, std::vector<std::string>{"###"});
   EXPECT_EQ(r.session_hint, "sess-1");
+  r = parse_ok(req({{"n", 1.0}, {"top_logprobs", 0}, {"logprobs", false}, {"top_k", 7.0}, {"max_tokens", 1}}));
+  EXPECT_EQ(r.sampling.top_k, 7);
+  EXPECT_EQ(r.max_tokens, 1);
+  r = parse_ok(req({{"seed", -9223372036854775807.0 - 1}}));
+  EXPECT_EQ(r.sampling.seed, 9223372036854775808ull);
   r = parse_ok(req(json::object()));
   EXPECT_EQ(r.max_tokens, 0);
   EXPECT_EQ(r.model, "dsx-v4-flash");

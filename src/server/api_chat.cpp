@@ -113,7 +113,7 @@ int64_t want_int(const json& v, const std::string& where, int64_t lo, int64_t hi
   const double d = v.get<double>();
   if (d != std::floor(d)) bad(where, "expected an integer, got " + v.dump());
   if (d < static_cast<double>(lo)) return below();
-  if (!(d < static_cast<double>(hi))) return above();
+  if (d >= 9223372036854775808.0 || d > static_cast<double>(hi)) return above();  // (2^63: beyond int64)
   const int64_t x = static_cast<int64_t>(d);
   return x < lo ? below() : x;
 }
