@@ -25,13 +25,15 @@ AdapterContext context() {
   return c;
 }
 
-GenRequest parse_ok(const json& body) {
+GenRequest parse_ok_text(const std::string& body) {
   GenRequest r;
   ApiError e;
-  const bool ok = responses_adapter().parse(body.dump(), context(), r, e);
+  const bool ok = responses_adapter().parse(body, context(), r, e);
   EXPECT_TRUE(ok) << "error: " << e.message;
   return r;
 }
+
+GenRequest parse_ok(const json& body) { return parse_ok_text(body.dump()); }
 
 ApiError parse_err(const std::string& body) {
   GenRequest r;
@@ -607,6 +609,16 @@ TEST(ApiResponses, HugeNumbers) {
   r = parse_ok(json::parse(
       R"({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "maxItems": 18446744073709551615}}]})"));
   EXPECT_EQ(r.conv.tools.at(0).function.get("parameters")->get("maxItems")->text, "18446744073709551615");
+  // Beyond uint64 (nlohmann would make it a float): the schema is taken from the
+  // Python-compatible parse, exactly as a Python reference renders it.
+  r = parse_ok_text(std::string(
+      R"({"input": "x", "tools": [{"type": "namespace", "name": "n", "tools": [{"type": "function", "name": "f", )"
+      R"("parameters": {"type": "object", "maximum": 123456789012345678901234567890, "x": 1.0}}]}], )"
+      R"("text": {"format": {"type": "json_schema", "schema": {"maxLength": 99999999999999999999999}}}})"));
+  EXPECT_EQ(text::pyjson::dumps(*r.conv.tools.at(0).function.get("parameters")),
+            R"({"type": "object", "maximum": 123456789012345678901234567890, "x": 1.0})");
+  EXPECT_EQ(text::pyjson::dumps(*r.response_format->get("json_schema")->get("schema")),
+            R"({"maxLength": 99999999999999999999999})");
 }
 
 TEST(ApiResponses, ErrorBody) {
@@ -866,8 +878,27 @@ TEST(ApiResponses, StreamParserErrorFails) {
 TEST(ApiResponses, FailBeforeAndAfterStart) {
   GenRequest req = parse_ok(codex_first_turn());
   {
+    // Streaming, before start (keep-alives may have gone out while queued): in-stream.
     auto ch = std::make_shared<Channel>();
     auto sink = responses_adapter().make_sink(req, context(), ch);
+    sink->keepalive();
+    sink->fail(ApiError{400, "invalid_request_error", "prompt too long", "context_length_exceeded", "input"});
+    const Sse sse = read_sse(drain_all(*ch));
+    EXPECT_EQ(sse.comments, 1);
+    ASSERT_EQ(types(sse), std::vector<std::string>{"response.failed"});
+    const json& resp = sse.events[0]["response"];
+    EXPECT_EQ(resp["status"], "failed");
+    EXPECT_EQ(resp["error"]["code"], "context_length_exceeded");
+    EXPECT_EQ(resp["error"]["message"], "prompt too long");
+    EXPECT_TRUE(resp["output"].empty());
+    sink->end(text::ParseResult{}, Usage{});  // ignored: the answer is complete
+    EXPECT_TRUE(ch->done());
+  }
+  {
+    // Not streaming, before start: the error body with its status.
+    GenRequest plain = parse_ok({{"input", "x"}});
+    auto ch = std::make_shared<Channel>();
+    auto sink = responses_adapter().make_sink(plain, context(), ch);
     sink->fail(ApiError{400, "invalid_request_error", "prompt too long", "context_length_exceeded", "input"});
     EXPECT_EQ(ch->status(), 400);
     EXPECT_EQ(ch->content_type(), "application/json");

@@ -169,6 +169,22 @@ pyjson::Value to_py(const json& j, const std::string& where) {
   }
 }
 
+// The Python-compatible parse of the same body (integers of any size, floats as Python
+// prints them) is where tool schemas and the response schema are taken from; these walk it
+// alongside the nlohmann tree (nullptr when the counterpart is missing).
+const pyjson::Value* py_get(const pyjson::Value* v, const char* key) {
+  const pyjson::Value* m = v ? v->get(key) : nullptr;
+  return m && !m->is_null() ? m : nullptr;
+}
+const pyjson::Value* py_at(const pyjson::Value* v, size_t i) {
+  return v && v->is_array() && i < v->items.size() ? &v->items[i] : nullptr;
+}
+// `py` when it is the counterpart of `j` (same JSON type), else `j` converted.
+pyjson::Value py_or(const pyjson::Value* py, const json& j, const std::string& where) {
+  if (py && ((py->is_object() && j.is_object()) || (py->is_array() && j.is_array()))) return *py;
+  return to_py(j, where);
+}
+
 // The nesting depth of a JSON text is at most `max` (the tool schemas are re-serialized
 // recursively, so a pathological nesting is refused up front).
 bool depth_ok(std::string_view s, int max) {
@@ -249,7 +265,7 @@ constexpr const char* kFreeformInput =
 
 class ToolSet {
  public:
-  void add_function(const json& t, const std::string& where, const std::string& ns) {
+  void add_function(const json& t, const pyjson::Value* pt, const std::string& where, const std::string& ns) {
     const std::string name = tool_name(t, where);
     if (taken(name)) return;
     pyjson::Value fn = pyjson::Value::object();
@@ -258,7 +274,7 @@ class ToolSet {
     if (auto d = opt_string(t, "description", where)) fn.members.emplace_back("description", pyjson::Value::string(*d));
     if (const json* p = member(t, "parameters")) {
       want_object(*p, where + ".parameters");
-      fn.members.emplace_back("parameters", to_py(*p, where + ".parameters"));
+      fn.members.emplace_back("parameters", py_or(py_get(pt, "parameters"), *p, where + ".parameters"));
     }
     push(name, std::move(fn));
     if (!ns.empty()) by_ns_[{ns, name}] = name;
@@ -308,12 +324,12 @@ class ToolSet {
   }
 
   // One entry of `tools` (or of a namespace's / an additional_tools item's tools).
-  void add(const json& t, const std::string& where, const std::string& ns = "") {
+  void add(const json& t, const pyjson::Value* pt, const std::string& where, const std::string& ns = "") {
     want_object(t, where);
     std::string type = "function";
     if (const json* ty = member(t, "type")) type = want_string(*ty, where + ".type");
     if (type == "function") {
-      add_function(t, where, ns);
+      add_function(t, pt, where, ns);
     } else if (type == "custom") {
       add_custom(t, where);
     } else if (type == "namespace" && ns.empty()) {
@@ -321,15 +337,16 @@ class ToolSet {
       const json* inner = member(t, "tools");
       if (!inner) return;
       want_array(*inner, where + ".tools");
-      for (size_t i = 0; i < inner->size(); ++i) add((*inner)[i], idx(where + ".tools", i), name);
+      const pyjson::Value* pin = py_get(pt, "tools");
+      for (size_t i = 0; i < inner->size(); ++i) add((*inner)[i], py_at(pin, i), idx(where + ".tools", i), name);
     }
     // Hosted tools (web_search, file_search, code_interpreter, local_shell, mcp, tool_search,
     // image_generation, ...) cannot run here: dropped.
   }
 
-  void add_all(const json& tools, const std::string& where) {
+  void add_all(const json& tools, const pyjson::Value* pt, const std::string& where) {
     want_array(tools, where);
-    for (size_t i = 0; i < tools.size(); ++i) add(tools[i], idx(where, i));
+    for (size_t i = 0; i < tools.size(); ++i) add(tools[i], py_at(pt, i), idx(where, i));
   }
 
   // The model-visible name of a call to function `name` of namespace `ns`.
@@ -547,7 +564,7 @@ void parse_tool_choice(const json& tc, const ToolSet& tools, GenRequest& out) {
   }
 }
 
-void parse_text_format(const json& t, GenRequest& out) {
+void parse_text_format(const json& t, const pyjson::Value* pt, GenRequest& out) {
   want_object(t, "text");
   const json* f = member(t, "format");
   if (!f) return;
@@ -565,12 +582,20 @@ void parse_text_format(const json& t, GenRequest& out) {
   const json* schema = member(*f, "schema");
   if (!schema) bad(w + ".schema", w, ".schema: missing");
   want_object(*schema, w + ".schema");
-  json js = json::object();
-  js["name"] = opt_string(*f, "name", w).value_or("response");
-  if (auto d = opt_string(*f, "description", w)) js["description"] = *d;
-  js["schema"] = *schema;
-  if (const json* s = member(*f, "strict")) js["strict"] = want_bool(*s, w + ".strict");
-  out.response_format = to_py(json{{"type", "json_schema"}, {"json_schema", js}}, w);
+  pyjson::Value js = pyjson::Value::object();
+  js.members.emplace_back("name", pyjson::Value::string(opt_string(*f, "name", w).value_or("response")));
+  if (auto d = opt_string(*f, "description", w)) js.members.emplace_back("description", pyjson::Value::string(*d));
+  js.members.emplace_back("schema", py_or(py_get(py_get(pt, "format"), "schema"), *schema, w + ".schema"));
+  if (const json* s = member(*f, "strict")) {
+    pyjson::Value b;
+    b.type = pyjson::Type::Bool;
+    b.boolean = want_bool(*s, w + ".strict");
+    js.members.emplace_back("strict", b);
+  }
+  pyjson::Value rf = pyjson::Value::object();
+  rf.members.emplace_back("type", pyjson::Value::string("json_schema"));
+  rf.members.emplace_back("json_schema", std::move(js));
+  out.response_format = std::move(rf);
 }
 
 void parse_request(std::string_view body, const AdapterContext& ctx, GenRequest& out) {
@@ -584,6 +609,9 @@ void parse_request(std::string_view body, const AdapterContext& ctx, GenRequest&
     bad("", "request body: invalid JSON: ", m);
   }
   if (!root.is_object()) bad("", "request body: expected a JSON object, got ", kind_of(root));
+  pyjson::Value py_root;
+  const pyjson::Value* py = nullptr;
+  if (pyjson::try_parse(body, py_root)) py = &py_root;
 
   for (const char* k : {"previous_response_id", "conversation"})
     if (member(root, k)) bad(k, k, " is not supported; replay the full input instead");
@@ -598,7 +626,7 @@ void parse_request(std::string_view body, const AdapterContext& ctx, GenRequest&
 
   // Tools first: the history's calls of namespaced functions map to their visible names.
   ToolSet tools;
-  if (const json* t = member(root, "tools")) tools.add_all(*t, "tools");
+  if (const json* t = member(root, "tools")) tools.add_all(*t, py_get(py, "tools"), "tools");
   const json* input = member(root, "input");
   if (!input) bad("input", "input: missing");
   if (input->is_array()) {
@@ -607,7 +635,8 @@ void parse_request(std::string_view body, const AdapterContext& ctx, GenRequest&
       if (!it.is_object()) continue;  // (reported below)
       const json* ty = member(it, "type");
       if (ty && ty->is_string() && ty->get<std::string>() == "additional_tools")
-        if (const json* t = member(it, "tools")) tools.add_all(*t, idx("input", i) + ".tools");
+        if (const json* t = member(it, "tools"))
+          tools.add_all(*t, py_get(py_at(py_get(py, "input"), i), "tools"), idx("input", i) + ".tools");
     }
   }
 
@@ -682,7 +711,9 @@ void parse_request(std::string_view body, const AdapterContext& ctx, GenRequest&
     for (size_t i = 0; i < inc->size(); ++i) want_string((*inc)[i], idx("include", i));
   }
   if (const json* k = member(root, "prompt_cache_key")) out.session_hint = want_string(*k, "prompt_cache_key");
-  if (const json* t = member(root, "text")) parse_text_format(*t, out);
+  if (const json* t = member(root, "text")) parse_text_format(*t, py_get(py, "text"), out);
+  // No seed in the Responses API: a fresh one per request (as the chat adapter does).
+  out.sampling.seed = std::stoull(text::random_hex(8), nullptr, 16);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -788,10 +819,14 @@ class ResponsesSink final : public Sink {
     ch_->close();
   }
 
+  // A streaming answer always fails in-stream (response.failed, with the error's code, e.g.
+  // context_length_exceeded, which Codex recognises): the HTTP layer sends a stream's 200
+  // and SSE headers before the first byte comes, and keep-alives may already have gone out
+  // while the request waited. A non-streaming one gets the error body and status.
   void fail(const ApiError& e) override {
     if (finished_) return;
     finished_ = true;
-    if (!stream_ || !started_) {
+    if (!stream_) {
       ch_->set_status(e.status, "application/json");
       ch_->push(error_body_json(e));
       ch_->close();
