@@ -1,0 +1,77 @@
+// `dsx serve`: the OpenAI- and Anthropic-compatible server coding agents point at
+// (docs and ready configs for Claude Code, Codex and opencode: README "Serving").
+#include <csignal>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <thread>
+
+#include "cli/registry.h"
+#include "runtime/engine.h"
+#include "server/http.h"
+#include "text/tokenizer.h"
+#include "util/error.h"
+#include "util/threadpool.h"
+
+namespace dsx::cli {
+
+namespace {
+
+std::atomic<bool> g_stop{false};
+extern "C" void on_signal(int) { g_stop.store(true); }
+
+int cmd_serve(int argc, char** argv) {
+  Args a(argc, argv,
+         {"-m", "--host", "--port", "--api-key", "--ctx", "--sessions", "--backend", "--precision", "--threads",
+          "--model-id", "--effort", "--max-body", "--keepalive"},
+         {"--quiet"});
+  const std::string dir = a.require("-m");
+  server::ServeOptions so;
+  so.host = a.get_or("--host", "127.0.0.1");
+  so.port = static_cast<int>(a.get_int("--port", 8080));
+  so.api_key = a.get_or("--api-key", "");
+  so.model_id = a.get_or("--model-id", "deepseek-v4.1-flash");
+  so.max_body_bytes = static_cast<size_t>(a.get_int("--max-body", 8 << 20));
+  if (a.has("--effort")) so.default_effort = text::parse_effort(a.require("--effort"));
+  so.scheduler.max_sessions = static_cast<int>(a.get_int("--sessions", 4));
+  so.scheduler.keepalive_seconds = a.get_double("--keepalive", 5.0);
+  so.scheduler.log_requests = !a.has("--quiet");
+  if (so.port < 0 || so.port > 65535) fail("--port must be in 0 .. 65535");
+  if (so.scheduler.max_sessions < 1) fail("--sessions must be at least 1");
+  if (a.has("--threads")) set_num_threads(static_cast<int>(a.get_int("--threads", 0)));
+  EngineOptions o;
+  o.backend = a.get_or("--backend", "cpu");
+  o.precision = a.get_or("--precision", "fp32");
+  o.max_context = a.get_int("--ctx", 65536);
+  if (o.max_context < 256) fail("--ctx must be at least 256 tokens");
+  std::fprintf(stderr, "dsx serve: loading %s (%s) ...\n", dir.c_str(), o.backend.c_str());
+  const auto t0 = std::chrono::steady_clock::now();
+  text::Tokenizer tok = text::Tokenizer::from_model_dir(dir);
+  auto eng = load_engine(dir, o);
+  std::fprintf(stderr, "dsx serve: %s loaded in %.1f s; %d sessions of %lld tokens\n", eng->describe().c_str(),
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+               so.scheduler.max_sessions, (long long)o.max_context);
+  server::HttpServer srv(*eng, tok, so);
+  if (!srv.bind()) fail("cannot listen on ", so.host, ":", so.port, " (in use, or not an address of this machine)");
+  std::fprintf(stderr, "dsx serve: listening on http://%s:%d (OpenAI /v1/chat/completions, /v1/responses; "
+                       "Anthropic /v1/messages)%s\n",
+               so.host.c_str(), srv.port(), so.api_key.empty() ? "" : "; API key required");
+  std::signal(SIGTERM, on_signal);
+  std::signal(SIGINT, on_signal);
+  std::thread watcher([&] {
+    while (!g_stop.load()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    std::fprintf(stderr, "dsx serve: stopping (running requests finish first)\n");
+    srv.stop();
+  });
+  srv.listen_after_bind();
+  g_stop.store(true);
+  watcher.join();
+  std::fprintf(stderr, "dsx serve: stopped\n");
+  return 0;
+}
+
+}  // namespace
+
+DSX_COMMAND("serve", "serve the model over HTTP: OpenAI chat completions / responses, Anthropic messages", cmd_serve);
+
+}  // namespace dsx::cli

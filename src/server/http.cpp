@@ -1,0 +1,302 @@
+#include "server/http.h"
+
+#include <httplib.h>
+
+#include <chrono>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+
+#include "server/api_messages.h"
+#include "server/api_models.h"
+#include "server/signing.h"
+#include "util/error.h"
+
+namespace dsx::server {
+
+namespace {
+
+std::string anthropic_error(int status, const std::string& type, const std::string& msg) {
+  return nlohmann::json({{"type", "error"}, {"error", {{"type", type}, {"message", msg}}}}).dump();
+}
+std::string openai_error(const std::string& type, const std::string& msg, const std::string& code = "") {
+  nlohmann::json e = {{"message", msg}, {"type", type}, {"param", nullptr}, {"code", code.empty() ? nlohmann::json() : nlohmann::json(code)}};
+  return nlohmann::json({{"error", e}}).dump();
+}
+
+bool is_anthropic_path(const std::string& p) { return p.rfind("/v1/messages", 0) == 0; }
+
+}  // namespace
+
+HttpServer::HttpServer(Engine& eng, const text::Tokenizer& tok, ServeOptions o)
+    : eng_(eng), tok_(tok), o_(std::move(o)) {
+  ctx_.replay = &replay_;
+  ctx_.secret = new_secret();
+  ctx_.model_id = o_.model_id;
+  ctx_.context_tokens = eng_.options().max_context;
+  sched_ = std::make_unique<Scheduler>(eng_, tok_, o_.scheduler);
+  http_ = std::make_unique<httplib::Server>();
+  const int threads = o_.threads;
+  http_->new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<size_t>(threads)); };
+  routes();
+}
+
+HttpServer::~HttpServer() {
+  stop();
+  sched_.reset();
+}
+
+void HttpServer::stop() {
+  if (http_) http_->stop();
+  if (sched_) sched_->shutdown();
+}
+
+bool HttpServer::bind() {
+  if (o_.port == 0) {
+    bound_port_ = http_->bind_to_any_port(o_.host.c_str());
+    return bound_port_ > 0;
+  }
+  if (!http_->bind_to_port(o_.host.c_str(), o_.port)) return false;
+  bound_port_ = o_.port;
+  return true;
+}
+
+void HttpServer::listen_after_bind() { http_->listen_after_bind(); }
+
+void HttpServer::listen() {
+  if (!bind()) fail("cannot listen on ", o_.host, ":", o_.port, " (address in use or not available?)");
+  listen_after_bind();
+}
+
+std::string HttpServer::metrics_text() const {
+  const SchedulerStats s = sched_->stats();
+  const StateFootprint f = eng_.footprint();
+  std::string m;
+  auto line = [&](const char* name, const char* type, const char* help, double v) {
+    char buf[256];
+    std::snprintf(buf, sizeof buf, "# HELP %s %s\n# TYPE %s %s\n%s %.17g\n", name, help, name, type, name, v);
+    m += buf;
+  };
+  line("dsx_http_requests_total", "counter", "HTTP requests received", static_cast<double>(http_requests_.load()));
+  line("dsx_http_errors_total", "counter", "HTTP requests answered with an error", static_cast<double>(http_errors_.load()));
+  line("dsx_requests_total", "counter", "generation requests queued", static_cast<double>(s.requests));
+  line("dsx_requests_finished_total", "counter", "generation requests finished", static_cast<double>(s.finished));
+  line("dsx_requests_cancelled_total", "counter", "generation requests whose client went away",
+       static_cast<double>(s.cancelled));
+  line("dsx_requests_failed_total", "counter", "generation requests failed by the engine", static_cast<double>(s.failed));
+  line("dsx_prompt_tokens_total", "counter", "prompt tokens of finished requests", static_cast<double>(s.prompt_tokens));
+  line("dsx_cached_prompt_tokens_total", "counter", "prompt tokens served from a kept state (prefix cache hits)",
+       static_cast<double>(s.cached_tokens));
+  line("dsx_generated_tokens_total", "counter", "tokens generated", static_cast<double>(s.generated_tokens));
+  line("dsx_prefill_tokens_total", "counter", "prompt tokens computed", static_cast<double>(s.prefill_tokens));
+  line("dsx_prefill_seconds_total", "counter", "time spent in prefill", s.prefill_seconds);
+  line("dsx_decode_steps_total", "counter", "decode steps (one row per decoding request)", static_cast<double>(s.decode_steps));
+  line("dsx_decode_rows_total", "counter", "rows over the decode steps", static_cast<double>(s.decode_rows));
+  line("dsx_decode_step_seconds_total", "counter", "time spent in decode steps", s.decode_step_seconds);
+  line("dsx_queue_depth", "gauge", "requests waiting for a session", static_cast<double>(s.queue_depth));
+  line("dsx_active_requests", "gauge", "requests prefilling or decoding", static_cast<double>(s.active));
+  line("dsx_sessions", "gauge", "resident sessions", static_cast<double>(s.sessions));
+  line("dsx_session_state_bytes", "gauge", "bytes of session state held", static_cast<double>(f.used_bytes));
+  line("dsx_session_state_budget_bytes", "gauge", "session state budget", static_cast<double>(f.budget_bytes));
+  return m;
+}
+
+void HttpServer::routes() {
+  httplib::Server& h = *http_;
+  h.set_payload_max_length(o_.max_body_bytes);
+  h.set_read_timeout(600, 0);
+  h.set_write_timeout(600, 0);
+  h.set_keep_alive_timeout(30);
+  // auth and body size before any route
+  h.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+    ++http_requests_;
+    if (!o_.api_key.empty() && req.path.rfind("/v1/", 0) == 0) {
+      std::string key = req.get_header_value("x-api-key");
+      const std::string auth = req.get_header_value("Authorization");
+      if (key.empty() && auth.rfind("Bearer ", 0) == 0) key = auth.substr(7);
+      if (key != o_.api_key) {
+        ++http_errors_;
+        res.status = 401;
+        if (is_anthropic_path(req.path))
+          res.set_content(anthropic_error(401, "authentication_error", "invalid API key"), "application/json");
+        else
+          res.set_content(openai_error("invalid_request_error", "invalid API key", "invalid_api_key"), "application/json");
+        return httplib::Server::HandlerResponse::Handled;
+      }
+    }
+    return httplib::Server::HandlerResponse::Unhandled;
+  });
+  h.set_error_handler([this](const httplib::Request& req, httplib::Response& res) {
+    if (res.status == 404) {
+      ++http_errors_;
+      if (is_anthropic_path(req.path))
+        res.set_content(anthropic_error(404, "not_found_error", "unknown endpoint " + req.path), "application/json");
+      else
+        res.set_content(openai_error("invalid_request_error", "unknown endpoint " + req.path), "application/json");
+    } else if (res.status == 413) {
+      ++http_errors_;
+      const std::string msg = cat("request body larger than ", o_.max_body_bytes, " bytes");
+      res.set_content(is_anthropic_path(req.path) ? anthropic_error(413, "request_too_large", msg)
+                                                  : openai_error("invalid_request_error", msg),
+                      "application/json");
+    }
+  });
+  h.set_exception_handler([this](const httplib::Request& req, httplib::Response& res, std::exception_ptr ep) {
+    ++http_errors_;
+    std::string msg = "internal error";
+    try {
+      std::rethrow_exception(ep);
+    } catch (const std::exception& e) {
+      msg = e.what();
+    } catch (...) {
+    }
+    res.status = 500;
+    res.set_content(is_anthropic_path(req.path) ? anthropic_error(500, "api_error", msg)
+                                                : openai_error("server_error", msg),
+                    "application/json");
+  });
+
+  h.Get("/", [](const httplib::Request&, httplib::Response& res) { res.set_content("dsx\n", "text/plain"); });
+  h.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+    const SchedulerStats s = sched_->stats();
+    res.set_content(nlohmann::json({{"status", "ok"}, {"model", o_.model_id}, {"queue_depth", s.queue_depth},
+                                    {"active", s.active}, {"sessions", s.sessions}})
+                        .dump(),
+                    "application/json");
+  });
+  h.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+    res.set_content(metrics_text(), "text/plain; version=0.0.4");
+  });
+  h.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
+    res.set_content(models_body(ctx_, ""), "application/json");
+  });
+  h.Get(R"(/v1/models/(.+))", [this](const httplib::Request& req, httplib::Response& res) {
+    res.set_content(models_body(ctx_, req.matches[1]), "application/json");
+  });
+  h.Post("/v1/messages/count_tokens", [this](const httplib::Request& req, httplib::Response& res) {
+    GenRequest g;
+    ApiError err;
+    if (!parse_count_tokens(req.body, ctx_, g, err)) {
+      ++http_errors_;
+      res.status = err.status;
+      res.set_content(messages_adapter().error_body(err), "application/json");
+      return;
+    }
+    try {
+      text::RenderOptions ro;
+      ro.thinking = g.thinking;
+      ro.effort = g.effort.kind == text::Effort::Kind::Default ? o_.default_effort : g.effort;
+      ro.tools_enabled = g.tools_enabled;
+      ro.context_tokens = ctx_.context_tokens;
+      ro.replay = &replay_;
+      const auto rendered = text::render_prompt(g.conv, ro);
+      const int64_t n = static_cast<int64_t>(text::encode_segments(tok_, rendered.segments).size());
+      res.set_content(count_tokens_body(n), "application/json");
+    } catch (const Error& e) {
+      ++http_errors_;
+      res.status = 400;
+      res.set_content(messages_adapter().error_body(ApiError{400, "invalid_request_error", e.what(), "", ""}),
+                      "application/json");
+    }
+  });
+  struct Route {
+    const char* path;
+    const Adapter* a;
+  };
+  for (const Route r : {Route{"/v1/chat/completions", &chat_adapter()}, Route{"/v1/messages", &messages_adapter()},
+                        Route{"/v1/responses", &responses_adapter()}}) {
+    const Adapter* ad = r.a;
+    const char* path = r.path;
+    h.Post(path, [this, ad, path](const httplib::Request& req, httplib::Response& res) {
+      auto reject = [&](const ApiError& e) {
+        ++http_errors_;
+        res.status = e.status;
+        res.set_content(ad->error_body(e), "application/json");
+      };
+      GenRequest g;
+      ApiError err;
+      if (!ad->parse(req.body, ctx_, g, err)) return reject(err);
+      if (g.session_hint.empty()) g.session_hint = req.get_header_value("x-session-affinity");
+      if (g.session_hint.empty()) g.session_hint = req.get_header_value("x-claude-code-session-id");
+      // render and tokenize (client text never becomes a control token: encode_segments)
+      std::vector<int32_t> ids;
+      text::RenderOptions ro;
+      try {
+        ro.thinking = g.thinking;
+        ro.effort = g.effort.kind == text::Effort::Kind::Default ? o_.default_effort : g.effort;
+        ro.tools_enabled = g.tools_enabled;
+        ro.context_tokens = ctx_.context_tokens;
+        ro.replay = &replay_;
+        const auto rendered = text::render_prompt(g.conv, ro);
+        ids = text::encode_segments(tok_, rendered.segments);
+      } catch (const Error& e) {
+        return reject(ApiError{400, "invalid_request_error", e.what(), "", ""});
+      }
+      const int64_t ctx = ctx_.context_tokens, n = static_cast<int64_t>(ids.size());
+      if (n == 0) return reject(ApiError{400, "invalid_request_error", "the request renders to an empty prompt", "", ""});
+      if (n >= ctx)
+        return reject(ApiError{400, "invalid_request_error",
+                               cat("the prompt has ", n, " tokens; this server's context is ", ctx, " tokens"),
+                               "context_length_exceeded", "messages"});
+      if (g.max_tokens > ctx)
+        return reject(ApiError{400, "invalid_request_error",
+                               cat("max_tokens ", g.max_tokens, " exceeds this server's context of ", ctx, " tokens"),
+                               "", "max_tokens"});
+      auto job = std::make_shared<Job>();
+      job->id = cat("req_", next_id_++);
+      job->api = path;
+      job->prompt = std::move(ids);
+      job->max_tokens = std::max<int64_t>(1, std::min<int64_t>(g.max_tokens > 0 ? g.max_tokens : ctx, ctx - n));
+      job->sampling = g.sampling;
+      job->session_hint = g.session_hint;
+      text::ParserOptions po;
+      po.profile = ro.profile;
+      po.thinking = g.thinking;
+      po.tools_enabled = g.tools_enabled && !g.conv.tools.empty();
+      po.tools = g.conv.tools;
+      po.stop = g.stop;
+      po.id_prefix = g.id_prefix;
+      po.replay = &replay_;
+      job->parser = std::move(po);
+      auto ch = std::make_shared<Channel>();
+      job->sink = ad->make_sink(g, ctx_, ch);
+      if (!sched_->submit(job))
+        return reject(ApiError{503, "server_error", "the server is shutting down or its queue is full", "", ""});
+      if (g.stream) {
+        res.set_header("Cache-Control", "no-cache");
+        res.set_chunked_content_provider(
+            "text/event-stream",
+            [ch](size_t, httplib::DataSink& sink) {
+              std::string s;
+              for (;;) {
+                if (sink.is_writable && !sink.is_writable()) {
+                  ch->cancel();
+                  return false;
+                }
+                if (ch->pop(s, std::chrono::milliseconds(500))) {
+                  if (!sink.write(s.data(), s.size())) {
+                    ch->cancel();
+                    return false;
+                  }
+                  return true;
+                }
+                if (ch->done()) {
+                  sink.done();
+                  return true;
+                }
+              }
+            },
+            [ch](bool ok) {
+              if (!ok) ch->cancel();
+            });
+      } else {
+        while (!ch->wait_closed(std::chrono::milliseconds(1000))) {
+        }
+        res.status = ch->status();
+        res.set_content(ch->drain(), ch->content_type());
+        if (res.status >= 400) ++http_errors_;
+      }
+    });
+  }
+}
+
+}  // namespace dsx::server

@@ -1,0 +1,341 @@
+// dsx serve end to end, on the CPU engine over a tiny random model that takes the V4.1
+// test tokenizer: every endpoint answers (streaming and not) in its API's shape with a
+// finish reason; a second turn reuses the first turn's prefix (cached tokens, time to
+// first token); concurrent streaming clients all complete and decode together; a client
+// that goes away mid-stream frees its session; bad requests get well-formed 4xx answers.
+#include <gtest/gtest.h>
+#include <httplib.h>
+
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "model/make_tiny.h"
+#include "runtime/engine.h"
+#include "server/http.h"
+#include "test_util.h"
+#include "text/engram_cmap.h"
+#include "text/tokenizer.h"
+
+using namespace dsx;
+using nlohmann::json;
+
+namespace {
+
+struct Served {
+  std::string dir;
+  std::unique_ptr<text::Tokenizer> tok;
+  std::unique_ptr<Engine> eng;
+  std::unique_ptr<server::HttpServer> srv;
+  std::thread th;
+  int port = 0;
+  ~Served() {
+    if (srv) srv->stop();
+    if (th.joinable()) th.join();
+    srv.reset();
+  }
+};
+
+// A tiny model with the golden V4.1 test tokenizer (vocabulary 129280), served with
+// `sessions` sessions of `ctx` tokens on an ephemeral loopback port.
+std::unique_ptr<Served> serve(int sessions = 4, int64_t ctx = 8192, const std::string& key = "") {
+  const std::string g = dsx_test::golden_dir();
+  if (g.empty()) return nullptr;
+  auto s = std::make_unique<Served>();
+  static std::string dir;
+  if (dir.empty()) {
+    dir = dsx_test::temp_dir("server_model");
+    const std::string tj = g + "/tokenizer/tokenizer-v41.json";
+    text::Tokenizer t = text::Tokenizer::from_file(tj);
+    int32_t n_keys = 0;
+    text::build_engram_token_map(t, &n_keys);
+    TinySpec spec;
+    spec.vocab = static_cast<int64_t>(t.size());
+    spec.engram_compressed_vocab = n_keys;
+    spec.hidden = 128;
+    spec.moe_inter = 32;
+    write_tiny_model(dir, spec, tj);
+  }
+  s->dir = dir;
+  s->tok = std::make_unique<text::Tokenizer>(text::Tokenizer::from_model_dir(dir));
+  EngineOptions o;
+  o.max_context = ctx;
+  s->eng = load_engine(dir, o);
+  server::ServeOptions so;
+  so.port = 0;
+  so.api_key = key;
+  so.scheduler.max_sessions = sessions;
+  so.scheduler.log_requests = false;
+  so.scheduler.keepalive_seconds = 0.2;
+  s->srv = std::make_unique<server::HttpServer>(*s->eng, *s->tok, so);
+  if (!s->srv->bind()) return nullptr;
+  s->port = s->srv->port();
+  server::HttpServer* p = s->srv.get();
+  s->th = std::thread([p] { p->listen_after_bind(); });
+  return s;
+}
+
+httplib::Client client(const Served& s) {
+  httplib::Client c("127.0.0.1", s.port);
+  c.set_read_timeout(120, 0);
+  return c;
+}
+
+// The data lines of an SSE stream, parsed (skips comments and [DONE]); `events` gets the
+// event names where the stream has them.
+std::vector<json> sse(const std::string& body, std::vector<std::string>* events = nullptr, bool* done = nullptr) {
+  std::vector<json> out;
+  size_t p = 0;
+  while (p < body.size()) {
+    size_t e = body.find('\n', p);
+    if (e == std::string::npos) e = body.size();
+    const std::string line = body.substr(p, e - p);
+    p = e + 1;
+    if (line.rfind("event: ", 0) == 0 && events) events->push_back(line.substr(7));
+    if (line.rfind("data: ", 0) != 0) continue;
+    const std::string d = line.substr(6);
+    if (d == "[DONE]") {
+      if (done) *done = true;
+      continue;
+    }
+    out.push_back(json::parse(d));
+  }
+  return out;
+}
+
+json chat_body(const std::string& user, bool stream, int max_tokens = 8, const std::string& system = "") {
+  json msgs = json::array();
+  if (!system.empty()) msgs.push_back({{"role", "system"}, {"content", system}});
+  msgs.push_back({{"role", "user"}, {"content", user}});
+  return {{"model", "anything"}, {"messages", msgs}, {"max_tokens", max_tokens}, {"stream", stream},
+          {"temperature", 0}, {"stream_options", {{"include_usage", true}}}};
+}
+
+}  // namespace
+
+#define SERVE(var, ...)              \
+  auto var = serve(__VA_ARGS__);     \
+  if (!var) GTEST_SKIP() << "golden tokenizer not found or no port"
+
+TEST(Server, EndpointsAnswerInTheirShapes) {
+  SERVE(s);
+  auto c = client(*s);
+  auto h = c.Get("/health");
+  ASSERT_TRUE(h);
+  EXPECT_EQ(h->status, 200);
+  EXPECT_EQ(json::parse(h->body)["status"], "ok");
+  auto m = c.Get("/v1/models");
+  ASSERT_TRUE(m);
+  EXPECT_EQ(m->status, 200);
+  EXPECT_EQ(json::parse(m->body)["object"], "list");
+  auto hd = c.Head("/");
+  ASSERT_TRUE(hd);
+  EXPECT_EQ(hd->status, 200);
+  auto nf = c.Get("/v1/nothing");
+  ASSERT_TRUE(nf);
+  EXPECT_EQ(nf->status, 404);
+  EXPECT_TRUE(json::parse(nf->body).contains("error"));
+  auto mt = c.Get("/metrics");
+  ASSERT_TRUE(mt);
+  EXPECT_NE(mt->body.find("dsx_requests_total"), std::string::npos);
+
+  // chat completions, not streaming and streaming
+  auto r = c.Post("/v1/chat/completions", chat_body("Say hi.", false).dump(), "application/json");
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  json j = json::parse(r->body);
+  EXPECT_EQ(j["object"], "chat.completion");
+  EXPECT_TRUE(j["choices"][0]["finish_reason"].is_string());
+  EXPECT_GT(j["usage"]["prompt_tokens"].get<int>(), 0);
+  r = c.Post("/v1/chat/completions?x=1", chat_body("Say hi.", true).dump(), "application/json");
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  bool done = false;
+  auto chunks = sse(r->body, nullptr, &done);
+  ASSERT_FALSE(chunks.empty());
+  EXPECT_TRUE(done);
+  bool finish = false;
+  for (const auto& ch : chunks)
+    if (ch.contains("choices") && !ch["choices"].empty() && ch["choices"][0]["finish_reason"].is_string()) finish = true;
+  EXPECT_TRUE(finish) << "no chunk with a finish_reason";
+  EXPECT_TRUE(chunks.back().contains("usage"));
+
+  // Anthropic messages (query string ignored, as Claude Code sends it)
+  json mb = {{"model", "claude-x"}, {"max_tokens", 8}, {"messages", {{{"role", "user"}, {"content", "Say hi."}}}},
+             {"system", {{{"type", "text"}, {"text", "Be brief."}}}}};
+  r = c.Post("/v1/messages?beta=true", mb.dump(), "application/json");
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  j = json::parse(r->body);
+  EXPECT_EQ(j["type"], "message");
+  EXPECT_TRUE(j["stop_reason"].is_string());
+  mb["stream"] = true;
+  r = c.Post("/v1/messages?beta=true", mb.dump(), "application/json");
+  ASSERT_TRUE(r);
+  std::vector<std::string> ev;
+  sse(r->body, &ev);
+  ASSERT_FALSE(ev.empty());
+  EXPECT_EQ(ev.front(), "message_start");
+  EXPECT_NE(std::find(ev.begin(), ev.end(), "message_delta"), ev.end());
+  r = c.Post("/v1/messages/count_tokens", mb.dump(), "application/json");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200) << r->body;
+  EXPECT_GT(json::parse(r->body)["input_tokens"].get<int>(), 0);
+
+  // Responses (what Codex sends: developer item, stream)
+  json rb = {{"model", "codex-x"}, {"stream", true}, {"store", false}, {"max_output_tokens", 8},
+             {"input", {{{"type", "message"}, {"role", "developer"}, {"content", {{{"type", "input_text"}, {"text", "You code."}}}}},
+                        {{"type", "message"}, {"role", "user"}, {"content", {{{"type", "input_text"}, {"text", "Say hi."}}}}}}}};
+  r = c.Post("/v1/responses", rb.dump(), "application/json");
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  ev.clear();
+  auto data = sse(r->body, &ev);
+  ASSERT_FALSE(ev.empty());
+  const std::string last = ev.back();
+  EXPECT_TRUE(last == "response.completed" || last == "response.incomplete") << last;
+  EXPECT_NE(std::find(ev.begin(), ev.end(), "response.output_item.done"), ev.end());
+}
+
+// A second turn that resends the conversation reuses the first turn's prefix: its usage
+// reports the shared prefix as cached, and its time to first token is much shorter.
+TEST(Server, SecondTurnReusesThePrefix) {
+  SERVE(s, 2, 16384);
+  auto c = client(*s);
+  std::string sys;
+  for (int i = 0; i < 600; ++i) sys += "The build uses CMake and every room has its own library. ";
+  auto turn = [&](const std::string& user, double* ttft) {
+    json b = chat_body(user, true, 4, sys);
+    httplib::Request req;
+    req.method = "POST";
+    req.path = "/v1/chat/completions";
+    req.body = b.dump();
+    req.set_header("Content-Type", "application/json");
+    std::string body;
+    const auto t0 = std::chrono::steady_clock::now();
+    bool first = false;
+    // time to the first generated token: the first chunk with reasoning or content text
+    req.content_receiver = [&](const char* d, size_t n, uint64_t, uint64_t) {
+      body.append(d, n);
+      if (!first)
+        for (const auto& ch : sse(body.substr(0, body.rfind("\n\n") + 2)))
+          if (ch.contains("choices") && !ch["choices"].empty()) {
+            const json& dl = ch["choices"][0]["delta"];
+            for (const char* k : {"content", "reasoning_content"})
+              if (dl.contains(k) && dl[k].is_string() && !dl[k].get<std::string>().empty()) first = true;
+          }
+      if (first && *ttft == 0)
+        *ttft = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      return true;
+    };
+    auto r = c.send(req);
+    EXPECT_TRUE(r);
+    json usage;
+    for (const auto& ch : sse(body))
+      if (ch.contains("usage") && ch["usage"].is_object()) usage = ch["usage"];
+    return usage;
+  };
+  double t1 = 0, t2 = 0;
+  const json u1 = turn("First question: what builds the project?", &t1);
+  const json u2 = turn("First question: what builds the project? And the tests?", &t2);
+  ASSERT_TRUE(u1.is_object() && u2.is_object());
+  const int64_t p1 = u1["prompt_tokens"], cached2 = u2["prompt_tokens_details"]["cached_tokens"];
+  std::printf("turn 1: %lld prompt tokens, ttft %.3f s; turn 2: %lld cached of %lld, ttft %.3f s\n", (long long)p1, t1,
+              (long long)cached2, (long long)u2["prompt_tokens"].get<int64_t>(), t2);
+  // the shared prefix is everything before the user's text, nearly all of turn 1's prompt
+  EXPECT_GE(cached2, p1 * 95 / 100 - 16);
+  EXPECT_LT(t2 * 5, t1) << "time to first token on the second turn";
+}
+
+// 16 concurrent streaming clients x 4 requests all finish, with batched decode steps.
+TEST(Server, ConcurrentClientsAllComplete) {
+  SERVE(s, 8);
+  std::atomic<int> ok{0}, bad{0};
+  std::vector<std::thread> th;
+  for (int i = 0; i < 16; ++i)
+    th.emplace_back([&, i] {
+      auto c = client(*s);
+      for (int k = 0; k < 4; ++k) {
+        auto r = c.Post("/v1/chat/completions", chat_body("Client " + std::to_string(i) + " request " + std::to_string(k), true, 6).dump(),
+                        "application/json");
+        bool fin = false;
+        if (r && r->status == 200)
+          for (const auto& ch : sse(r->body))
+            if (ch.contains("choices") && !ch["choices"].empty() && ch["choices"][0]["finish_reason"].is_string()) fin = true;
+        (fin ? ok : bad)++;
+      }
+    });
+  for (auto& t : th) t.join();
+  EXPECT_EQ(ok.load(), 64);
+  EXPECT_EQ(bad.load(), 0);
+  auto c = client(*s);
+  auto m = c.Get("/metrics");
+  ASSERT_TRUE(m);
+  auto metric = [&](const std::string& name) {
+    const size_t p = m->body.find("\n" + name + " ");
+    return p == std::string::npos ? -1.0 : std::stod(m->body.substr(p + name.size() + 2));
+  };
+  const double steps = metric("dsx_decode_steps_total"), rows = metric("dsx_decode_rows_total");
+  std::printf("decode steps %.0f, rows %.0f (%.2f rows per step)\n", steps, rows, rows / std::max(1.0, steps));
+  EXPECT_GT(rows, steps) << "concurrent requests never decoded together";
+}
+
+// A client that goes away mid-stream frees its session: with one session, the next
+// request still completes.
+TEST(Server, DisconnectFreesTheSession) {
+  SERVE(s, 1);
+  {
+    auto c = client(*s);
+    httplib::Request req;
+    req.method = "POST";
+    req.path = "/v1/chat/completions";
+    req.body = chat_body("Tell a very long story.", true, 4000).dump();
+    req.set_header("Content-Type", "application/json");
+    int got = 0;
+    req.content_receiver = [&](const char*, size_t, uint64_t, uint64_t) { return ++got < 3; };  // then hang up
+    c.send(req);
+  }
+  auto c = client(*s);
+  c.set_read_timeout(60, 0);
+  auto r = c.Post("/v1/chat/completions", chat_body("Say hi.", false, 4).dump(), "application/json");
+  ASSERT_TRUE(r) << "the server did not answer after a client went away";
+  EXPECT_EQ(r->status, 200);
+}
+
+// Bad requests: well-formed 4xx answers in each API's error shape, never a 5xx.
+TEST(Server, BadRequestsGetWellFormed4xx) {
+  SERVE(s, 2, 512, "sekret");
+  auto c = client(*s);
+  httplib::Headers auth = {{"Authorization", "Bearer sekret"}};
+  auto r = c.Post("/v1/chat/completions", chat_body("hi", false).dump(), "application/json");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 401);
+  r = c.Post("/v1/messages", httplib::Headers{{"x-api-key", "sekret"}}, "{\"model\":", "application/json");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 400);
+  EXPECT_EQ(json::parse(r->body)["type"], "error");
+  for (const char* path : {"/v1/chat/completions", "/v1/responses"}) {
+    for (const std::string body : {std::string("not json"), std::string("{\"messages\": 3}"), std::string("[]"),
+                                   std::string("{\"input\": {\"x\": 1}}")}) {
+      r = c.Post(path, auth, body, "application/json");
+      ASSERT_TRUE(r);
+      EXPECT_GE(r->status, 400) << path << " " << body;
+      EXPECT_LT(r->status, 500) << path << " " << body;
+      json j = json::parse(r->body);
+      EXPECT_TRUE(j.contains("error")) << r->body;
+    }
+  }
+  // a prompt longer than the context
+  std::string big;
+  for (int i = 0; i < 400; ++i) big += "many words in this prompt ";
+  r = c.Post("/v1/chat/completions", auth, chat_body(big, false).dump(), "application/json");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 400);
+  EXPECT_EQ(json::parse(r->body)["error"]["code"], "context_length_exceeded");
+  // a body over the limit
+  r = c.Post("/v1/chat/completions", auth, std::string(9 << 20, ' '), "application/json");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 413);
+}
