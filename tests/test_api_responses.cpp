@@ -598,15 +598,24 @@ TEST(ApiResponses, MalformedBodies) {
 }
 
 TEST(ApiResponses, HugeNumbers) {
-  // A limit beyond int64 means no limit of its own (clamped); huge integers in tool schemas
-  // survive the conversion.
-  GenRequest r = parse_ok(json::parse(R"({"input": "x", "max_output_tokens": 99999999999999999999999})"));
-  EXPECT_EQ(r.max_tokens, std::numeric_limits<int64_t>::max());
-  r = parse_ok(json::parse(R"({"input": "x", "max_output_tokens": 18446744073709551615})"));
-  EXPECT_EQ(r.max_tokens, std::numeric_limits<int64_t>::max());
-  r = parse_ok(json::parse(R"({"input": "x", "max_output_tokens": 1e30})"));
-  EXPECT_EQ(r.max_tokens, std::numeric_limits<int64_t>::max());
-  r = parse_ok(json::parse(
+  // A limit beyond int64 is clamped, and then exceeds the server's context (a 400 naming the
+  // field); with no context known it stands.
+  for (const char* v : {"99999999999999999999999", "18446744073709551615", "1e30", "131073"}) {
+    const ApiError e = parse_err(std::string(R"({"input": "x", "max_output_tokens": )") + v + "}");
+    EXPECT_EQ(e.param, "max_output_tokens");
+    EXPECT_NE(e.message.find("exceeds this server's context of 131072 tokens"), std::string::npos) << e.message;
+  }
+  EXPECT_EQ(parse_err(R"({"input": "x", "max_tokens": 1e30})").param, "max_tokens");
+  EXPECT_EQ(parse_ok(json::parse(R"({"input": "x", "max_output_tokens": 131072})")).max_tokens, 131072);
+  {
+    AdapterContext no_ctx = context();
+    no_ctx.context_tokens = 0;
+    GenRequest g;
+    ApiError e;
+    ASSERT_TRUE(responses_adapter().parse(R"({"input": "x", "max_output_tokens": 1e30})", no_ctx, g, e)) << e.message;
+    EXPECT_EQ(g.max_tokens, std::numeric_limits<int64_t>::max());
+  }
+  GenRequest r = parse_ok(json::parse(
       R"({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "maxItems": 18446744073709551615}}]})"));
   EXPECT_EQ(r.conv.tools.at(0).function.get("parameters")->get("maxItems")->text, "18446744073709551615");
   // Beyond uint64 (nlohmann would make it a float): the schema is taken from the

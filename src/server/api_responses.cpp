@@ -140,7 +140,7 @@ double want_number(const json& j, const std::string& where) {
 }
 
 // A positive token limit; values beyond int64 (a huge integer, or an integral float such as
-// 1e30) mean "no limit of its own" and are clamped.
+// 1e30) are clamped (and then exceed any context).
 int64_t want_limit(const json& j, const std::string& where) {
   int64_t v = 0;
   if (j.is_number_unsigned()) {
@@ -682,9 +682,12 @@ void parse_request(std::string_view body, const AdapterContext& ctx, GenRequest&
     if (const json* s = member(*r, "summary")) want_string(*s, "reasoning.summary");
   }
 
-  const json* mt = member(root, "max_output_tokens");
-  if (mt) out.max_tokens = want_limit(*mt, "max_output_tokens");
-  else if (const json* m2 = member(root, "max_tokens")) out.max_tokens = want_limit(*m2, "max_tokens");
+  const char* limit_key = member(root, "max_output_tokens") ? "max_output_tokens" : "max_tokens";
+  if (const json* mt = member(root, limit_key)) {
+    out.max_tokens = want_limit(*mt, limit_key);
+    if (ctx.context_tokens > 0 && out.max_tokens > ctx.context_tokens)
+      bad(limit_key, limit_key, ": ", out.max_tokens, " exceeds this server's context of ", ctx.context_tokens, " tokens");
+  }
 
   const json* temp = member(root, "temperature");
   const json* top_p = member(root, "top_p");
