@@ -402,6 +402,10 @@ TEST(ApiResponses, ReasoningEffort) {
   const GenRequest dflt = parse_ok({{"input", "x"}, {"reasoning", {{"summary", "auto"}}}});
   EXPECT_TRUE(dflt.thinking);
   EXPECT_EQ(dflt.effort.kind, text::Effort::Kind::Default);
+  // deepseek-chat: thinking off unless an effort asks for it
+  EXPECT_FALSE(parse_ok({{"model", "deepseek-chat"}, {"input", "x"}}).thinking);
+  EXPECT_TRUE(parse_ok({{"model", "deepseek-chat"}, {"input", "x"}, {"reasoning", {{"effort", "high"}}}}).thinking);
+  EXPECT_TRUE(parse_ok({{"model", "deepseek-reasoner"}, {"input", "x"}}).thinking);
   const ApiError e = parse_err(json{{"input", "x"}, {"reasoning", {{"effort", "turbo"}}}}.dump());
   EXPECT_EQ(e.status, 400);
   EXPECT_EQ(e.param, "reasoning.effort");

@@ -21,9 +21,9 @@
 //     as web_search_call, compaction) are skipped.
 //   - `instructions` -> a leading system message.
 //   - `tools`: "function" -> {name, description, parameters} ("strict" dropped);
-//     "namespace" -> its functions flattened under their own names (Codex dispatches a call by
-//     the (namespace, name) pair, so a call of such a function carries "namespace" again on
-//     output); "custom" (freeform, e.g. Codex's apply_patch) -> a function with one string
+//     "namespace" -> its functions flattened under their own names (Codex 0.171 dispatches a
+//     call by the (namespace, name) pair: without "namespace" on the function_call item it
+//     answers "unsupported call", so such a call carries "namespace" again on output); "custom" (freeform, e.g. Codex's apply_patch) -> a function with one string
 //     parameter "input" whose description carries the grammar, called back as a
 //     custom_tool_call with the raw input; hosted tools (web_search, file_search, ...) dropped.
 //     A name already taken by an earlier tool is dropped (the first one wins).
@@ -32,8 +32,10 @@
 //     "namespace": "<ns>" and "freeform": true (GenRequest has no adapter-private state).
 //   - tool_choice "auto" | "none" | "required" | {type: "function" | "custom", name} |
 //     {type: "allowed_tools", mode}; parallel_tool_calls ignored.
-//   - reasoning.effort via text::map_api_effort ("none": thinking off); reasoning.summary is
-//     accepted and not needed: the reasoning item is always emitted, its text as the summary.
+//   - reasoning.effort via text::map_api_effort ("none": thinking off; model "deepseek-chat"
+//     without an effort: off too); reasoning.summary is accepted and not needed: the reasoning
+//     item is always emitted (Codex replays it, with encrypted_content, only if it got one),
+//     its text as the summary.
 //   - max_output_tokens (or max_tokens), temperature, top_p, stream, prompt_cache_key
 //     (-> session_hint), text.format json_schema / json_object (-> response_format, in the
 //     chat-completions shape {type:"json_schema", json_schema:{name, schema, strict}}).
@@ -664,6 +666,7 @@ void parse_request(std::string_view body, const AdapterContext& ctx, GenRequest&
   out.conv.tools = tools.take();
   if (const json* p = member(root, "parallel_tool_calls")) want_bool(*p, "parallel_tool_calls");
 
+  out.thinking = out.model != "deepseek-chat";  // spec §4.4: that alias means thinking off, unless an effort is given
   if (const json* r = member(root, "reasoning")) {
     want_object(*r, "reasoning");
     if (const json* e = member(*r, "effort")) {
