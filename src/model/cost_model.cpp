@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "model/inventory.h"
 #include "util/error.h"
 
 namespace dsx {
@@ -62,25 +63,14 @@ ModelConfig synthetic_v41_flash_config(int layers) {
 }
 
 
+// The matrices and tables of the inventory, as much of each as a decode step reads. The
+// vectors (norm weights, biases, sinks, hc base / scale, Engram q / k weights: a few KB a
+// layer) are left out of the figure.
 int64_t v41_decode_weight_bytes(const ModelConfig& c) {
-  const int64_t D = c.hidden, M = c.hc_mult, H = c.n_heads, hd = c.head_dim, ql = c.q_lora_rank;
-  const int64_t G = c.o_groups, ol = c.o_lora_rank, I = c.moe_inter, B = c.quant_block;
-  auto fp8 = [&](int64_t n, int64_t k) { return n * k + ((n + B - 1) / B) * ((k + B - 1) / B); };
-  auto fp4 = [&](int64_t n, int64_t k) { return n * k / 2 + n * (k / 32); };
-  int64_t b = c.vocab_size * D * 2 + D * 2;  // head (bf16) + one embedding row
-  for (int l = 0; l < c.n_layers; ++l) {
-    b += 2 * static_cast<int64_t>(c.hc_mix_dim()) * M * D * 4;
-    b += fp8(ql, D) + fp8(H * hd, ql) + fp8(hd, D) + fp8(G * ol, H * hd / G) + fp8(D, G * ol);
-    if (c.is_kv_source(l)) b += (c.ratio(l) > 1 ? 2 : 1) * hd * D * 2 + c.index_head_dim * hd * 2;
-    if (c.is_index_source(l)) b += fp8(static_cast<int64_t>(c.index_n_heads) * c.index_head_dim, ql) + c.index_n_heads * D * 2;
-    b += c.n_routed_experts * D * 2;                              // router gate (bf16)
-    b += 2 * fp8(I, D) + fp8(D, I);                               // shared expert
-    b += c.n_experts_per_tok * (2 * fp4(I, D) + fp4(D, I));       // routed experts
-    if (c.is_engram_layer(l)) {
-      const int64_t nc = static_cast<int64_t>(c.engram_max_ngram - 1) * c.engram_n_heads, ed = c.engram_head_dim;
-      b += fp8((M + 1) * D, nc * ed) + nc * (ed + ed / 32);
-    }
-  }
+  int64_t b = 0;
+  const TensorInventory inv(c);
+  for (const TensorSpec& t : inv.tensors())
+    if (!is_vector(t.storage)) b += decode_read_bytes(c, t);
   return b;
 }
 

@@ -9,6 +9,7 @@
 
 #include "model/config.h"
 #include "model/engram.h"
+#include "model/inventory.h"
 #include "model/make_tiny_quant.h"
 #include "util/error.h"
 #include "util/mmap_file.h"
@@ -176,8 +177,6 @@ struct Builder {
   }
 };
 
-bool contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }
-
 }  // namespace
 
 void write_tiny_model(const std::string& dir, const TinySpec& s, const std::string& tokenizer_json_path) {
@@ -277,65 +276,22 @@ void write_tiny_model(const std::string& dir, const TinySpec& s, const std::stri
   cfg["text_config"] = tc;
   cfg["vision_config"] = {{"model_type", "deepseek_v41_vision"}, {"num_hidden_layers", 0}};
   const std::string cfg_text = cfg.dump(2) + "\n";
-  // validate with the real parser before writing anything
-  ModelConfig parsed = parse_model_config(cfg_text, dir + "/config.json");
+  // validate with the real parser before writing anything; the tensors follow from it
+  const ModelConfig parsed = parse_model_config(cfg_text, dir + "/config.json");
 
+  // every tensor of the config's inventory, in its order (the order of the random draws)
   Builder b(s.seed, B);
-  const int64_t D = s.hidden, M = 4, mix = (2 + M) * M, H = s.heads, hd = s.head_dim;
-  const float wstd = 1.0f;
-  auto lin_std = [&](int64_t k) { return wstd / std::sqrt(static_cast<float>(k)); };
-  b.bf16("embed.weight", {s.vocab, D}, 1.0f);
-  b.bf16("head.weight", {s.vocab, D}, lin_std(D));
-  b.bf16("norm.weight", {D}, 0.0f, 1.0f);
-  for (int l = 0; l < L; ++l) {
-    const std::string p = "layers." + std::to_string(l) + ".";
-    b.bf16(p + "attn_norm.weight", {D}, 0.0f, 1.0f);
-    b.bf16(p + "ffn_norm.weight", {D}, 0.0f, 1.0f);
-    for (const char* site : {"attn", "ffn"}) {
-      b.f32(p + "hc_" + site + "_fn", {mix, M * D}, 0.02f);
-      b.f32(p + "hc_" + site + "_base", {mix}, 0.1f);
-      b.f32(p + "hc_" + site + "_scale", {3}, 0.0f, 1.0f);
-    }
-    b.fp8(p + "attn.wq_a", s.q_lora, D, lin_std(D));
-    b.bf16(p + "attn.q_norm.weight", {s.q_lora}, 0.0f, 1.0f);
-    b.fp8(p + "attn.wq_b", H * hd, s.q_lora, lin_std(s.q_lora));
-    b.fp8(p + "attn.wkv", hd, D, lin_std(D));
-    b.bf16(p + "attn.kv_norm.weight", {hd}, 0.0f, 1.0f);
-    b.fp8(p + "attn.wo_a", s.o_groups * s.o_lora, H * hd / s.o_groups, lin_std(H * hd / s.o_groups));
-    b.fp8(p + "attn.wo_b", D, s.o_groups * s.o_lora, lin_std(s.o_groups * s.o_lora));
-    b.f32(p + "attn.attn_sink", {H}, 0.5f);
-    if (contains(s.kv_sources, l)) {
-      b.bf16(p + "attn.compressor.wkv.weight", {hd, D}, lin_std(D));
-      if (s.ratios[static_cast<size_t>(l)] > 1) b.bf16(p + "attn.compressor.wgate.weight", {hd, D}, lin_std(D));
-      b.bf16(p + "attn.compressor.norm.weight", {hd}, 0.0f, 1.0f);
-    }
-    if (contains(s.index_sources, l)) {
-      b.fp8(p + "attn.indexer.wq_b", s.index_heads * s.index_head_dim, s.q_lora, lin_std(s.q_lora));
-      b.bf16(p + "attn.indexer.weights_proj.weight", {s.index_heads, D}, lin_std(D));
-      if (contains(s.kv_sources, l)) {
-        b.bf16(p + "attn.indexer.wk.weight", {s.index_head_dim, hd}, lin_std(hd));
-        b.bf16(p + "attn.indexer.k_norm.weight", {s.index_head_dim}, 0.0f, 1.0f);
-      }
-    }
-    b.bf16(p + "ffn.gate.weight", {s.experts, D}, lin_std(D));
-    b.f32(p + "ffn.gate.bias", {s.experts}, 0.05f);
-    b.f32(p + "ffn.gate.bias_vl", {s.experts}, 0.05f);
-    for (int e = 0; e < s.experts; ++e) {
-      const std::string q = p + "ffn.experts." + std::to_string(e) + ".";
-      b.mxfp4(q + "w1", s.moe_inter, D, lin_std(D));
-      b.mxfp4(q + "w3", s.moe_inter, D, lin_std(D));
-      b.mxfp4(q + "w2", D, s.moe_inter, lin_std(s.moe_inter));
-    }
-    b.fp8(p + "ffn.shared_experts.w1", s.moe_inter, D, lin_std(D));
-    b.fp8(p + "ffn.shared_experts.w3", s.moe_inter, D, lin_std(D));
-    b.fp8(p + "ffn.shared_experts.w2", D, s.moe_inter, lin_std(s.moe_inter));
-    if (engram && contains(s.engram_layers, l)) {
-      const size_t li = static_cast<size_t>(std::find(s.engram_layers.begin(), s.engram_layers.end(), l) - s.engram_layers.begin());
-      const int64_t ncols = static_cast<int64_t>(s.engram_max_ngram - 1) * s.engram_heads;
-      b.engram_table(p + "engram.embed", engram_rows[li], s.engram_head_dim, 0.5f);
-      b.fp8(p + "engram.wkv", (M + 1) * D, ncols * s.engram_head_dim, lin_std(ncols * s.engram_head_dim));
-      b.bf16(p + "engram.q_weight", {M, D}, 0.0f, 1.0f);
-      b.bf16(p + "engram.k_weight", {M, D}, 0.0f, 1.0f);
+  const TensorInventory inv(parsed);
+  for (const TensorSpec& t : inv.tensors()) {
+    const RandomInit r = random_init(t);
+    switch (t.storage) {
+      case Storage::F32Vector:
+      case Storage::F32Matrix: b.f32(t.name, t.shape, r.std, r.mean); break;
+      case Storage::BF16Vector:
+      case Storage::BF16Matrix: b.bf16(t.name, t.shape, r.std, r.mean); break;
+      case Storage::FP8: b.fp8(t.name, t.rows(), t.cols(), r.std); break;
+      case Storage::MXFP4: b.mxfp4(t.name, t.rows(), t.cols(), r.std); break;
+      case Storage::EngramTable: b.engram_table(t.name, t.rows(), t.cols(), r.std); break;
     }
   }
   b.w.set_metadata("format", "pt");
@@ -346,7 +302,6 @@ void write_tiny_model(const std::string& dir, const TinySpec& s, const std::stri
     const std::string t = read_text_file(tokenizer_json_path);
     write_file_atomic(dir + "/tokenizer.json", t.data(), t.size());
   }
-  (void)parsed;
 }
 
 }  // namespace dsx

@@ -78,6 +78,26 @@ QMatrix WeightBinder::mxfp4(const std::string& base, int64_t n, int64_t k) {
   return m;
 }
 
+QMatrix WeightBinder::matrix(const TensorSpec& t) {
+  switch (t.storage) {
+    case Storage::BF16Matrix: return dense(t.name, t.rows(), t.cols());
+    case Storage::F32Matrix: {
+      QMatrix m = dense(t.name, t.rows(), t.cols());
+      if (m.fmt != WFormat::F32) fail(f_.dir(), ": tensor '", t.name, "' must be F32");
+      return m;
+    }
+    case Storage::FP8: return fp8(t.name, t.rows(), t.cols());
+    case Storage::MXFP4: return mxfp4(t.name, t.rows(), t.cols());
+    default: fail(f_.dir(), ": tensor '", t.name, "' (", storage_name(t.storage), ") is not a matrix");
+  }
+}
+
+std::vector<float> WeightBinder::values(const TensorSpec& t) {
+  if (!is_vector(t.storage)) fail(f_.dir(), ": tensor '", t.name, "' (", storage_name(t.storage), ") is not a vector");
+  if (t.storage == Storage::BF16Vector && t.shape.size() == 1) return vec(t.name, t.rows());
+  return f32(t.name, t.shape);
+}
+
 void WeightBinder::check_unused() const {
   for (const auto& name : f_.names()) {
     if (used_.count(name) || ignorable(name)) continue;

@@ -9,8 +9,9 @@
 #include <string>
 #include <vector>
 
-#include "model/qmatrix.h"
 #include "model/config.h"
+#include "model/inventory.h"
+#include "model/qmatrix.h"
 #include "util/safetensors.h"
 
 namespace dsx {
@@ -38,6 +39,12 @@ class WeightBinder {
   QMatrix fp8(const std::string& base, int64_t n, int64_t k);
   // Routed expert: packed e2m1 (low nibble first) + one ue8m0 scale per 32 inputs.
   QMatrix mxfp4(const std::string& base, int64_t n, int64_t k);
+
+  // A tensor of the inventory, by its storage. Matrices: BF16 ones through dense(), F32
+  // ones through dense() and then required to be F32, FP8 through fp8(), MXFP4 through
+  // mxfp4(). Vectors, widened: [n] BF16 vectors through vec(), the others through f32().
+  QMatrix matrix(const TensorSpec& t);
+  std::vector<float> values(const TensorSpec& t);
 
   // The MoE experts of a layer (LayerWeights or LayerWeightsV4; tensor prefix p):
   // routed ffn.experts.<e>.{w1, w3, w2} (MXFP4) and the shared expert

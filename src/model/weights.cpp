@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "model/inventory.h"
 #include "model/weight_binder.h"
 #include "util/error.h"
 #include "util/mmap_file.h"
@@ -121,69 +122,73 @@ ModelWeights bind_weights(const ModelConfig& c, std::shared_ptr<ModelFiles> file
   WeightBinder b(c, *files, /*skip_vision=*/true);  // V4.1 checkpoints may carry the vision modules
   ModelWeights w;
   w.files = files;
-  const int64_t D = c.hidden, V = c.vocab_size, M = c.hc_mult, mix = c.hc_mix_dim();
-  w.embed = b.dense("embed.weight", V, D);
-  w.head = b.dense("head.weight", V, D);
-  w.norm = b.vec("norm.weight", D);
-  const int64_t H = c.n_heads, hd = c.head_dim, ql = c.q_lora_rank, G = c.o_groups, ol = c.o_lora_rank;
-  const int64_t E = c.n_routed_experts, I = c.moe_inter;
   w.layers.resize(static_cast<size_t>(c.n_layers));
-  for (int l = 0; l < c.n_layers; ++l) {
-    LayerWeights& L = w.layers[static_cast<size_t>(l)];
-    const std::string p = "layers." + std::to_string(l) + ".";
-    L.attn_norm = b.vec(p + "attn_norm.weight", D);
-    L.ffn_norm = b.vec(p + "ffn_norm.weight", D);
-    for (const char* site : {"attn", "ffn"}) {
-      const std::string s = p + "hc_" + site + "_";
-      QMatrix fn = b.dense(s + "fn", mix, M * D);
-      if (fn.fmt != WFormat::F32) fail(files->dir(), ": tensor '", s, "fn' must be F32");
-      auto base = b.f32(s + "base", {mix});
-      auto scale = b.f32(s + "scale", {3});
-      if (std::string(site) == "attn") {
-        L.hc_attn_fn = fn, L.hc_attn_base = base, L.hc_attn_scale = scale;
-      } else {
-        L.hc_ffn_fn = fn, L.hc_ffn_base = base, L.hc_ffn_scale = scale;
+  const size_t E = static_cast<size_t>(c.n_routed_experts);
+  for (LayerWeights& L : w.layers) L.w1.resize(E), L.w2.resize(E), L.w3.resize(E);
+  // every tensor of the inventory, in its order (the first one that fails is reported)
+  const TensorInventory inv(c);
+  for (const TensorSpec& t : inv.tensors()) {
+    if (t.optional && !b.has(t.name)) continue;
+    if (t.layer < 0) {
+      switch (t.role) {
+        case Role::embed: w.embed = b.matrix(t); break;
+        case Role::head: w.head = b.matrix(t); break;
+        case Role::norm: w.norm = b.values(t); break;
+        default: fail("bind_weights: no place for the ", role_name(t.role), " tensor '", t.name, "'");
       }
+      continue;
     }
-    L.wq_a = b.fp8(p + "attn.wq_a", ql, D);
-    L.q_norm = b.vec(p + "attn.q_norm.weight", ql);
-    L.wq_b = b.fp8(p + "attn.wq_b", H * hd, ql);
-    L.wkv = b.fp8(p + "attn.wkv", hd, D);
-    L.kv_norm = b.vec(p + "attn.kv_norm.weight", hd);
-    L.wo_a = b.fp8(p + "attn.wo_a", G * ol, H * hd / G);
-    L.wo_b = b.fp8(p + "attn.wo_b", D, G * ol);
-    L.attn_sink = b.f32(p + "attn.attn_sink", {H});
-    if (c.is_kv_source(l)) {
-      L.comp_wkv = b.dense(p + "attn.compressor.wkv.weight", hd, D);
-      if (c.ratio(l) > 1) L.comp_wgate = b.dense(p + "attn.compressor.wgate.weight", hd, D);
-      L.comp_norm = b.vec(p + "attn.compressor.norm.weight", hd);
-    }
-    if (c.is_index_source(l)) {
-      const int64_t ih = c.index_n_heads, ihd = c.index_head_dim;
-      L.idx_wq_b = b.fp8(p + "attn.indexer.wq_b", ih * ihd, ql);
-      L.idx_weights_proj = b.dense(p + "attn.indexer.weights_proj.weight", ih, D);
-      if (c.is_kv_source(l)) {
-        L.idx_wk = b.dense(p + "attn.indexer.wk.weight", ihd, hd);
-        L.idx_k_norm = b.vec(p + "attn.indexer.k_norm.weight", ihd);
+    LayerWeights& L = w.layers[static_cast<size_t>(t.layer)];
+    const size_t e = static_cast<size_t>(t.expert);
+    switch (t.role) {
+      case Role::attn_norm: L.attn_norm = b.values(t); break;
+      case Role::ffn_norm: L.ffn_norm = b.values(t); break;
+      case Role::hc_attn_fn: L.hc_attn_fn = b.matrix(t); break;
+      case Role::hc_attn_base: L.hc_attn_base = b.values(t); break;
+      case Role::hc_attn_scale: L.hc_attn_scale = b.values(t); break;
+      case Role::hc_ffn_fn: L.hc_ffn_fn = b.matrix(t); break;
+      case Role::hc_ffn_base: L.hc_ffn_base = b.values(t); break;
+      case Role::hc_ffn_scale: L.hc_ffn_scale = b.values(t); break;
+      case Role::wq_a: L.wq_a = b.matrix(t); break;
+      case Role::q_norm: L.q_norm = b.values(t); break;
+      case Role::wq_b: L.wq_b = b.matrix(t); break;
+      case Role::wkv: L.wkv = b.matrix(t); break;
+      case Role::kv_norm: L.kv_norm = b.values(t); break;
+      case Role::wo_a: L.wo_a = b.matrix(t); break;
+      case Role::wo_b: L.wo_b = b.matrix(t); break;
+      case Role::attn_sink: L.attn_sink = b.values(t); break;
+      case Role::comp_wkv: L.comp_wkv = b.matrix(t); break;
+      case Role::comp_wgate: L.comp_wgate = b.matrix(t); break;
+      case Role::comp_norm: L.comp_norm = b.values(t); break;
+      case Role::idx_wq_b: L.idx_wq_b = b.matrix(t); break;
+      case Role::idx_weights_proj: L.idx_weights_proj = b.matrix(t); break;
+      case Role::idx_wk: L.idx_wk = b.matrix(t); break;
+      case Role::idx_k_norm: L.idx_k_norm = b.values(t); break;
+      case Role::gate: L.gate = b.matrix(t); break;
+      case Role::gate_bias: L.gate_bias = b.values(t); break;
+      case Role::gate_bias_vl: b.values(t); break;  // checked; image tokens only
+      case Role::expert_w1: L.w1[e] = b.matrix(t); break;
+      case Role::expert_w3: L.w3[e] = b.matrix(t); break;
+      case Role::expert_w2: L.w2[e] = b.matrix(t); break;
+      case Role::shared_w1: L.sw1 = b.matrix(t); break;
+      case Role::shared_w3: L.sw3 = b.matrix(t); break;
+      case Role::shared_w2: L.sw2 = b.matrix(t); break;
+      case Role::engram_table: {
+        const std::vector<StoredTensor> st = stored_tensors(t);
+        const TensorView& tw = b.tensor(st[0].name, st[0].shape, {st[0].dtype});
+        const TensorView& ts = b.tensor(st[1].name, st[1].shape, {st[1].dtype});
+        L.has_engram = true;
+        L.engram_table = EngramTable{t.rows(), static_cast<int>(t.cols()), t.block, tw.data, ts.data};
+        break;
       }
-    }
-    L.gate = b.dense(p + "ffn.gate.weight", E, D);
-    L.gate_bias = b.f32(p + "ffn.gate.bias", {E});
-    if (b.has(p + "ffn.gate.bias_vl")) b.f32(p + "ffn.gate.bias_vl", {E});  // image tokens only
-    b.experts(L, p, E, I, D);
-    const int ei = c.engram_index(l);
-    if (ei >= 0) {
-      L.has_engram = true;
-      const int64_t R = c.engram_num_embeddings[static_cast<size_t>(ei)], ed = c.engram_head_dim;
-      const int64_t ncols = static_cast<int64_t>(c.engram_max_ngram - 1) * c.engram_n_heads;
-      const TensorView& tw = b.tensor(p + "engram.embed.weight", {R, ed}, {DType::F8_E4M3});
-      const TensorView& ts = b.tensor(p + "engram.embed.scale", {R, ed / c.quant_block}, {DType::F8_E8M0});
-      L.engram_table = EngramTable{R, static_cast<int>(ed), c.quant_block, tw.data, ts.data};
-      L.engram_wkv = b.fp8(p + "engram.wkv", (M + 1) * D, ncols * ed);
-      auto qw = b.f32(p + "engram.q_weight", {M, D});
-      auto kw = b.f32(p + "engram.k_weight", {M, D});
-      L.engram_w.resize(qw.size());
-      for (size_t i = 0; i < qw.size(); ++i) L.engram_w[i] = qw[i] * kw[i];
+      case Role::engram_wkv: L.engram_wkv = b.matrix(t); break;
+      case Role::engram_q_weight: L.engram_w = b.values(t); break;  // times k_weight, which follows
+      case Role::engram_k_weight: {
+        const std::vector<float> kw = b.values(t);
+        for (size_t i = 0; i < kw.size(); ++i) L.engram_w[i] = L.engram_w[i] * kw[i];
+        break;
+      }
+      default: fail("bind_weights: no place for the ", role_name(t.role), " tensor '", t.name, "'");
     }
   }
   b.check_unused();

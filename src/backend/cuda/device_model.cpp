@@ -7,6 +7,7 @@
 
 #include "backend/cuda/step_kernels.h"
 #include "model/cost_model.h"
+#include "model/inventory.h"
 #include "model/rope.h"
 #include "util/error.h"
 #include "util/switches.h"
@@ -116,84 +117,118 @@ struct Uploader {
 
 namespace {
 
-QMatrix host_shape(WFormat f, int64_t n, int64_t k, int block, const std::string& name) {
+// A matrix of the inventory without data (synthetic model: shapes only).
+QMatrix host_shape(const TensorSpec& t, int block) {
   QMatrix q;
-  q.fmt = f;
-  q.rows = n;
-  q.cols = k;
-  q.block = f == WFormat::MXFP4 ? 32 : block;
-  q.name = name;
+  switch (t.storage) {
+    case Storage::F32Matrix: q.fmt = WFormat::F32; break;
+    case Storage::BF16Matrix: q.fmt = WFormat::BF16; break;
+    case Storage::FP8: q.fmt = WFormat::FP8_BLOCK; break;
+    case Storage::MXFP4: q.fmt = WFormat::MXFP4; break;
+    default: fail("upload: tensor '", t.name, "' (", storage_name(t.storage), ") is not a matrix");
+  }
+  q.rows = t.rows();
+  q.cols = t.cols();
+  q.block = q.fmt == WFormat::MXFP4 ? 32 : block;
+  q.name = t.name;
   return q;
 }
 
-// One upload / synthesis pass over every tensor, in a fixed order. `hw` may be null
-// (synthetic model: shapes from the config, random device data).
+// The inventory tensors of one layer (-1: the global ones) as the upload takes them: each
+// once, and every one of them by the end (check).
+struct LayerTensors {
+  const TensorInventory& inv;
+  int layer;
+  size_t taken = 0;
+  const TensorSpec* find(Role r, int expert = -1) {
+    const TensorSpec* t = inv.find(layer, r, expert);
+    taken += t != nullptr;
+    return t;
+  }
+  const TensorSpec& at(Role r, int expert = -1) {
+    const TensorSpec& t = inv.at(layer, r, expert);
+    ++taken;
+    return t;
+  }
+  void check() const {
+    DSX_CHECK(taken == inv.count(layer), "upload: layer ", layer, " has ", inv.count(layer) - taken,
+              " tensor(s) of the inventory that the device model does not take");
+  }
+};
+
+// One upload / synthesis pass over every tensor of the inventory, in a fixed order (the
+// device order, with the pairs one-token decode reads in one launch side by side). `hw` may
+// be null (synthetic model: shapes from the inventory, random device data).
 void upload_pass(Uploader& u, const ModelConfig& c, const ModelWeights* hw) {
+  using LW = LayerWeights;
   DeviceModel& m = u.m;
-  const int64_t D = c.hidden, M = c.hc_mult, mix = c.hc_mix_dim(), H = c.n_heads, hd = c.head_dim;
-  const int64_t ql = c.q_lora_rank, G = c.o_groups, ol = c.o_lora_rank, E = c.n_routed_experts, I = c.moe_inter;
+  const TensorInventory inv(c);
   const int B = c.quant_block;
-  auto mat = [&](const QMatrix* h, WFormat f, int64_t n, int64_t k, const char* name, bool tile = true) {
-    return u.matrix(h ? *h : host_shape(f, n, k, B, name), tile);
-  };
   const std::vector<float> none;
-  m.embed = mat(hw ? &hw->embed : nullptr, WFormat::BF16, c.vocab_size, D, "embed");
-  m.head = mat(hw ? &hw->head : nullptr, WFormat::BF16, c.vocab_size, D, "head");
-  m.norm = u.vec(hw ? hw->norm : none, static_cast<size_t>(D));
+  // the host matrix of t: the loaded one, or (synthetic) its shape
+  auto host = [&](const TensorSpec& t, const QMatrix* loaded) { return loaded ? *loaded : host_shape(t, B); };
+  // a vector: the loaded values, or (synthetic) those of random_init
+  auto vec = [&](const TensorSpec& t, const std::vector<float>* loaded) {
+    const RandomInit r = random_init(t);
+    return u.vec(loaded ? *loaded : none, static_cast<size_t>(t.numel()), r.mean, r.std);
+  };
+  LayerTensors g{inv, -1};
+  m.embed = u.matrix(host(g.at(Role::embed), hw ? &hw->embed : nullptr));
+  m.head = u.matrix(host(g.at(Role::head), hw ? &hw->head : nullptr));
+  m.norm = vec(g.at(Role::norm), hw ? &hw->norm : nullptr);
+  g.check();
   m.layers.resize(static_cast<size_t>(c.n_layers));
   for (int l = 0; l < c.n_layers; ++l) {
     DevLayer& L = m.layers[static_cast<size_t>(l)];
     const LayerWeights* h = hw ? &hw->layers[static_cast<size_t>(l)] : nullptr;
-    L.attn_norm = u.vec(h ? h->attn_norm : none, static_cast<size_t>(D));
-    L.ffn_norm = u.vec(h ? h->ffn_norm : none, static_cast<size_t>(D));
-    L.hc_attn_fn = mat(h ? &h->hc_attn_fn : nullptr, WFormat::F32, mix, M * D, "hc_attn_fn");
-    L.hc_ffn_fn = mat(h ? &h->hc_ffn_fn : nullptr, WFormat::F32, mix, M * D, "hc_ffn_fn");
-    L.hc_attn_base = u.vec(h ? h->hc_attn_base : none, static_cast<size_t>(mix), 0.0f, 0.1f);
-    L.hc_attn_scale = u.vec(h ? h->hc_attn_scale : none, 3);
-    L.hc_ffn_base = u.vec(h ? h->hc_ffn_base : none, static_cast<size_t>(mix), 0.0f, 0.1f);
-    L.hc_ffn_scale = u.vec(h ? h->hc_ffn_scale : none, 3);
-    L.wq_a_kv = u.pair(h ? h->wq_a : host_shape(WFormat::FP8_BLOCK, ql, D, B, "wq_a"),
-                       h ? h->wkv : host_shape(WFormat::FP8_BLOCK, hd, D, B, "wkv"), L.wq_a, L.wkv);
-    L.q_norm = u.vec(h ? h->q_norm : none, static_cast<size_t>(ql));
-    if (c.is_index_source(l)) {
-      const int64_t ih = c.index_n_heads, ihd = c.index_head_dim;
-      const QMatrix hq = h ? h->wq_b : host_shape(WFormat::FP8_BLOCK, H * hd, ql, B, "wq_b");
-      const QMatrix hi = h ? h->idx_wq_b : host_shape(WFormat::FP8_BLOCK, ih * ihd, ql, B, "idx_wq_b");
-      L.wq_b_idx = u.pair(hq, hi, L.wq_b, L.idx_wq_b);
-    } else {
-      L.wq_b = mat(h ? &h->wq_b : nullptr, WFormat::FP8_BLOCK, H * hd, ql, "wq_b");
-    }
-    L.kv_norm = u.vec(h ? h->kv_norm : none, static_cast<size_t>(hd));
-    L.wo_a = mat(h ? &h->wo_a : nullptr, WFormat::FP8_BLOCK, G * ol, H * hd / G, "wo_a");
-    L.wo_b = mat(h ? &h->wo_b : nullptr, WFormat::FP8_BLOCK, D, G * ol, "wo_b");
-    L.attn_sink = u.vec(h ? h->attn_sink : none, static_cast<size_t>(H), 0.0f, 0.5f);
-    if (c.is_kv_source(l)) {
-      const QMatrix hk = h ? h->comp_wkv : host_shape(WFormat::BF16, hd, D, B, "comp_wkv");
-      if (c.ratio(l) > 1)
-        L.comp_kv_gate = u.pair(hk, h ? h->comp_wgate : host_shape(WFormat::BF16, hd, D, B, "comp_wgate"), L.comp_wkv,
-                                L.comp_wgate);
+    LayerTensors t{inv, l};
+    auto hmat = [&](const TensorSpec& s, QMatrix LW::*f) { return host(s, h ? &(h->*f) : nullptr); };
+    auto mat = [&](Role r, QMatrix LW::*f) { return u.matrix(hmat(t.at(r), f)); };
+    auto val = [&](const TensorSpec& s, std::vector<float> LW::*f) { return vec(s, h ? &(h->*f) : nullptr); };
+    L.attn_norm = val(t.at(Role::attn_norm), &LW::attn_norm);
+    L.ffn_norm = val(t.at(Role::ffn_norm), &LW::ffn_norm);
+    L.hc_attn_fn = mat(Role::hc_attn_fn, &LW::hc_attn_fn);
+    L.hc_ffn_fn = mat(Role::hc_ffn_fn, &LW::hc_ffn_fn);
+    L.hc_attn_base = val(t.at(Role::hc_attn_base), &LW::hc_attn_base);
+    L.hc_attn_scale = val(t.at(Role::hc_attn_scale), &LW::hc_attn_scale);
+    L.hc_ffn_base = val(t.at(Role::hc_ffn_base), &LW::hc_ffn_base);
+    L.hc_ffn_scale = val(t.at(Role::hc_ffn_scale), &LW::hc_ffn_scale);
+    L.wq_a_kv = u.pair(hmat(t.at(Role::wq_a), &LW::wq_a), hmat(t.at(Role::wkv), &LW::wkv), L.wq_a, L.wkv);
+    L.q_norm = val(t.at(Role::q_norm), &LW::q_norm);
+    if (const TensorSpec* iq = t.find(Role::idx_wq_b))  // index sources: wq_b + idx_wq_b
+      L.wq_b_idx = u.pair(hmat(t.at(Role::wq_b), &LW::wq_b), hmat(*iq, &LW::idx_wq_b), L.wq_b, L.idx_wq_b);
+    else
+      L.wq_b = mat(Role::wq_b, &LW::wq_b);
+    L.kv_norm = val(t.at(Role::kv_norm), &LW::kv_norm);
+    L.wo_a = mat(Role::wo_a, &LW::wo_a);
+    L.wo_b = mat(Role::wo_b, &LW::wo_b);
+    L.attn_sink = val(t.at(Role::attn_sink), &LW::attn_sink);
+    if (const TensorSpec* ck = t.find(Role::comp_wkv)) {  // KV sources: comp_wkv (+ comp_wgate)
+      if (const TensorSpec* cg = t.find(Role::comp_wgate))
+        L.comp_kv_gate = u.pair(hmat(*ck, &LW::comp_wkv), hmat(*cg, &LW::comp_wgate), L.comp_wkv, L.comp_wgate);
       else
-        L.comp_wkv = u.matrix(hk);
-      L.comp_norm = u.vec(h ? h->comp_norm : none, static_cast<size_t>(hd));
+        L.comp_wkv = u.matrix(hmat(*ck, &LW::comp_wkv));
     }
-    if (c.is_index_source(l)) {
-      const int64_t ih = c.index_n_heads, ihd = c.index_head_dim;
-      L.idx_weights_proj = mat(h ? &h->idx_weights_proj : nullptr, WFormat::BF16, ih, D, "weights_proj");
-      if (c.is_kv_source(l)) {
-        L.idx_wk = mat(h ? &h->idx_wk : nullptr, WFormat::BF16, ihd, hd, "idx_wk");
-        L.idx_k_norm = u.vec(h ? h->idx_k_norm : none, static_cast<size_t>(ihd));
-      }
-    }
-    L.gate = mat(h ? &h->gate : nullptr, WFormat::BF16, E, D, "gate");
-    L.gate_bias = u.vec(h ? h->gate_bias : none, static_cast<size_t>(E), 0.0f, 0.05f);
+    if (const TensorSpec* s = t.find(Role::comp_norm)) L.comp_norm = val(*s, &LW::comp_norm);
+    if (const TensorSpec* s = t.find(Role::idx_weights_proj)) L.idx_weights_proj = u.matrix(hmat(*s, &LW::idx_weights_proj));
+    if (const TensorSpec* s = t.find(Role::idx_wk)) L.idx_wk = u.matrix(hmat(*s, &LW::idx_wk));
+    if (const TensorSpec* s = t.find(Role::idx_k_norm)) L.idx_k_norm = val(*s, &LW::idx_k_norm);
+    L.gate = mat(Role::gate, &LW::gate);
+    L.gate_bias = val(t.at(Role::gate_bias), &LW::gate_bias);
+    t.find(Role::gate_bias_vl);  // image tokens only: not placed
+    const int64_t E = c.n_routed_experts, D = c.hidden, I = c.moe_inter;
     std::vector<const uint8_t*> p1(E), s1(E), p2(E), s2(E), p3(E), s3(E);
     // the routed experts take the tile layout all together or not at all (MoeLayer::tiled)
     const bool etile = moe_experts_tile16(D, I);
     L.moe.tiled = etile && sw::on(sw::Id::TILED);
     for (int64_t e = 0; e < E; ++e) {
-      QMatrix d1 = mat(h ? &h->w1[e] : nullptr, WFormat::MXFP4, I, D, "w1", etile);
-      QMatrix d3 = mat(h ? &h->w3[e] : nullptr, WFormat::MXFP4, I, D, "w3", etile);
-      QMatrix d2 = mat(h ? &h->w2[e] : nullptr, WFormat::MXFP4, D, I, "w2", etile);
+      const int x = static_cast<int>(e);
+      auto expert = [&](Role r, const std::vector<QMatrix> LW::*f) {
+        return u.matrix(host(t.at(r, x), h ? &(h->*f)[static_cast<size_t>(e)] : nullptr), etile);
+      };
+      QMatrix d1 = expert(Role::expert_w1, &LW::w1);
+      QMatrix d3 = expert(Role::expert_w3, &LW::w3);
+      QMatrix d2 = expert(Role::expert_w2, &LW::w2);
       DSX_CHECK(d1.tiled == L.moe.tiled && d3.tiled == L.moe.tiled && d2.tiled == L.moe.tiled,
                 "expert ", e, " of layer ", l, ": MXFP4 experts of unexpected format");
       p1[e] = d1.data, s1[e] = d1.scale, p3[e] = d3.data, s3[e] = d3.scale, p2[e] = d2.data, s2[e] = d2.scale;
@@ -201,9 +236,9 @@ void upload_pass(Uploader& u, const ModelConfig& c, const ModelWeights* hw) {
     L.moe.n_experts = static_cast<int>(E);
     L.moe.hidden = D;
     L.moe.inter = I;
-    L.moe.shared_w1 = mat(h ? &h->sw1 : nullptr, WFormat::FP8_BLOCK, I, D, "sw1");
-    L.moe.shared_w3 = mat(h ? &h->sw3 : nullptr, WFormat::FP8_BLOCK, I, D, "sw3");
-    L.moe.shared_w2 = mat(h ? &h->sw2 : nullptr, WFormat::FP8_BLOCK, D, I, "sw2");
+    L.moe.shared_w1 = mat(Role::shared_w1, &LW::sw1);
+    L.moe.shared_w3 = mat(Role::shared_w3, &LW::sw3);
+    L.moe.shared_w2 = mat(Role::shared_w2, &LW::sw2);
     L.moe.swiglu_limit = c.swiglu_limit;
     L.moe.qblock = B;
     auto ptrs = [&](const std::vector<const uint8_t*>& v) -> const uint8_t* const* {
@@ -211,24 +246,24 @@ void upload_pass(Uploader& u, const ModelConfig& c, const ModelWeights* hw) {
     };
     L.moe.w1 = ptrs(p1), L.moe.w1_scale = ptrs(s1), L.moe.w3 = ptrs(p3), L.moe.w3_scale = ptrs(s3);
     L.moe.w2 = ptrs(p2), L.moe.w2_scale = ptrs(s2);
-    const int ei = c.engram_index(l);
-    if (ei >= 0) {
+    if (const TensorSpec* tab = t.find(Role::engram_table)) {
       L.has_engram = true;
-      const int64_t ncols = static_cast<int64_t>(c.engram_max_ngram - 1) * c.engram_n_heads, ed = c.engram_head_dim;
-      L.engram_wkv = mat(h ? &h->engram_wkv : nullptr, WFormat::FP8_BLOCK, (M + 1) * D, ncols * ed, "engram_wkv");
-      L.engram_w = u.vec(h ? h->engram_w : none, static_cast<size_t>(M * D));
-      L.engram_rows = c.engram_num_embeddings[static_cast<size_t>(ei)];
-      const int64_t table_bytes = L.engram_rows * (ed + ed / 32);
-      if (h && table_bytes <= (int64_t{4} << 30)) {
+      L.engram_wkv = mat(Role::engram_wkv, &LW::engram_wkv);
+      // q_weight * k_weight, one vector per stream (the loader multiplies them)
+      L.engram_w = val(t.at(Role::engram_q_weight), &LW::engram_w);
+      t.at(Role::engram_k_weight);
+      L.engram_rows = tab->rows();
+      const std::vector<StoredTensor> st = stored_tensors(*tab);  // codes, scales
+      if (h && stored_bytes(*tab) <= (int64_t{4} << 30)) {
         // small enough: keep the table on the device
-        L.engram_table = static_cast<const uint8_t*>(u.place(h->engram_table.data, static_cast<size_t>(L.engram_rows * ed)));
-        L.engram_table_scale =
-            static_cast<const uint8_t*>(u.place(h->engram_table.scale, static_cast<size_t>(L.engram_rows * ed / 32)));
+        L.engram_table = static_cast<const uint8_t*>(u.place(h->engram_table.data, static_cast<size_t>(st[0].bytes())));
+        L.engram_table_scale = static_cast<const uint8_t*>(u.place(h->engram_table.scale, static_cast<size_t>(st[1].bytes())));
       } else if (h) {
         L.engram_host_table = h->engram_table.data;
         L.engram_host_scale = h->engram_table.scale;
       }
     }
+    t.check();
   }
   const auto mr = make_main_rope(c), cr = make_compress_rope(c);
   m.main_inv_freq = u.vec(mr.inv_freq, mr.inv_freq.size());
