@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "model/inventory.h"
+#include "model/layer_plan.h"
 #include "util/error.h"
 
 namespace dsx {
@@ -80,14 +81,12 @@ int64_t decode_state_bytes(const ModelConfig& c, int64_t ctx) {
   const int64_t win_row = hd + hd / 32, cmp_row = hd / 2 + hd / 16, key_row = ihd / 2 + ihd / 32;
   for (int l = 0; l < c.n_layers; ++l) {
     b += std::min<int64_t>(ctx, c.window) * win_row;
-    const int r = c.ratio(l);
-    if (r == 0) continue;
-    const int64_t n = ctx / r;
+    const LayerPlan p = layer_plan(c, l);
+    if (!p.compressed()) continue;
+    const int64_t n = ctx / p.ratio;
     b += std::min<int64_t>(n, c.index_topk) * cmp_row;
-    if (c.is_index_source(l)) {
-      const bool restricted = c.candidate_source_layer >= 0 && c.candidate_source_layer < l;
-      b += (restricted ? std::min<int64_t>(n, static_cast<int64_t>(c.candidate_topk_blocks) * c.candidate_block_size) : n) * key_row;
-    }
+    if (p.index_source)
+      b += (p.uses_candidates ? std::min<int64_t>(n, static_cast<int64_t>(c.candidate_topk_blocks) * c.candidate_block_size) : n) * key_row;
   }
   return b;
 }

@@ -13,6 +13,7 @@
 #include "model/cpu/ops.h"
 #include "model/cpu/quant.h"
 #include "model/cpu_common.h"
+#include "model/layer_plan.h"
 #include "util/error.h"
 #include "util/threadpool.h"
 
@@ -101,7 +102,7 @@ KVState V41Cpu::new_state(int rollback_depth) const { return make_kv_state(cfg_,
 // §3.2 Engram: gated n-gram memory added to every stream.
 void V41Cpu::engram(int layer, Step& s, Vec& X) const {
   const LayerWeights& L = w_.layers[static_cast<size_t>(layer)];
-  const int li = cfg_.engram_index(layer);
+  const int li = layer_plan(cfg_, layer).engram;
   const int64_t T = s.T, D = cfg_.hidden, M = cfg_.hc_mult, ed = cfg_.engram_head_dim;
   const int nc = engram_.n_cols, nl = engram_.n_layers;
   Vec u(static_cast<size_t>(T * nc * ed));
@@ -190,10 +191,11 @@ void V41Cpu::compressor(int layer, Step& s, KVState& st, const Vec& a, Vec& late
 void V41Cpu::indexer(int layer, Step& s, KVState& st, const Vec& a, const Vec& q_lat, const Vec& new_latents,
                      int64_t first_group) const {
   const LayerWeights& L = w_.layers[static_cast<size_t>(layer)];
-  const int src = cfg_.kv_source_of(layer);
+  const LayerPlan plan = layer_plan(cfg_, layer);
+  const int src = plan.source;
   CompressedCache& c = st.caches[static_cast<size_t>(src)];
   const int64_t T = s.T, hd = cfg_.head_dim, ih = cfg_.index_n_heads, ihd = cfg_.index_head_dim;
-  const int64_t r = cfg_.ratio(layer);
+  const int64_t r = plan.ratio;
   const int np = compress_rope_.n_pairs();
   Vec cs(static_cast<size_t>(np)), sn(static_cast<size_t>(np));
   if (src == layer) {
@@ -225,8 +227,8 @@ void V41Cpu::indexer(int layer, Step& s, KVState& st, const Vec& a, const Vec& q
   const float softmax_scale = static_cast<float>(std::pow(static_cast<double>(ihd), -0.5));
   for (auto& v : wts) v *= heads_scaling;
 
-  const bool is_cand_source = layer == cfg_.candidate_source_layer;
-  const bool uses_cand = cfg_.candidate_source_layer >= 0 && cfg_.candidate_source_layer < layer && s.have_cand;
+  const bool is_cand_source = plan.candidate_source;
+  const bool uses_cand = plan.uses_candidates && s.have_cand;
   if (is_cand_source) {
     s.have_cand = true;
     s.cand_cols = n_comp;
@@ -275,9 +277,10 @@ void V41Cpu::indexer(int layer, Step& s, KVState& st, const Vec& a, const Vec& q
 // §3.4 attention of one layer for the step's tokens.
 void V41Cpu::attention(int layer, Step& s, KVState& st, const Vec& a, Vec& out) const {
   const LayerWeights& L = w_.layers[static_cast<size_t>(layer)];
+  const LayerPlan plan = layer_plan(cfg_, layer);
   const int64_t T = s.T, H = cfg_.n_heads, hd = cfg_.head_dim, B = cfg_.quant_block;
-  const int64_t r = cfg_.ratio(layer);
-  const bool comp_rope = r > 0;
+  const int64_t r = plan.ratio;
+  const bool comp_rope = plan.comp_rope();
   const int np = cfg_.rope_dim / 2;
 
   // §3.4.1 queries
@@ -298,12 +301,12 @@ void V41Cpu::attention(int layer, Step& s, KVState& st, const Vec& a, Vec& out) 
 
   // §3.4.3-3.4.6 compressed branch
   const CompressedCache* comp = nullptr;
-  if (r > 0) {
+  if (plan.compressed()) {
     Vec latents;
     int64_t first_group = 0;
-    if (cfg_.is_kv_source(layer)) compressor(layer, s, st, a, latents, first_group);
-    if (cfg_.is_index_source(layer)) indexer(layer, s, st, a, q_lat, latents, first_group);
-    if (cfg_.is_kv_source(layer)) {
+    if (plan.kv_source) compressor(layer, s, st, a, latents, first_group);
+    if (plan.index_source) indexer(layer, s, st, a, q_lat, latents, first_group);
+    if (plan.kv_source) {
       CompressedCache& c = st.caches[static_cast<size_t>(layer)];
       const int64_t g = static_cast<int64_t>(latents.size()) / hd;
       Vec cs(static_cast<size_t>(np)), sn(static_cast<size_t>(np));
@@ -316,8 +319,8 @@ void V41Cpu::attention(int layer, Step& s, KVState& st, const Vec& a, Vec& out) 
       c.rows.insert(c.rows.end(), latents.begin(), latents.end());
       c.n += g;
     }
-    comp = &st.caches[static_cast<size_t>(cfg_.kv_source_of(layer))];
-    if (s.have_sel && s.sel_source != cfg_.kv_source_of(layer))
+    comp = &st.caches[static_cast<size_t>(plan.source)];
+    if (s.have_sel && s.sel_source != plan.source)
       fail("layer ", layer, ": top-k selection belongs to another KV group");
   }
 
@@ -419,8 +422,9 @@ void V41Cpu::forward(KVState& st, const int32_t* ids, int64_t T, float* logits, 
   Vec pa, qa, Ca, pf, qf, Cf, y;
   for (int l = 0; l < NL; ++l) {
     const LayerWeights& L = w_.layers[static_cast<size_t>(l)];
-    if (L.has_engram) engram(l, s, X);
-    if (const int ti = cfg_.tap_index(l); taps && ti >= 0) fwd::stream_mean(X, T, M, D, taps, cfg_.tap_width(), ti * D);
+    const LayerPlan plan = layer_plan(cfg_, l);
+    if (plan.engram >= 0) engram(l, s, X);
+    if (taps && plan.tap >= 0) fwd::stream_mean(X, T, M, D, taps, cfg_.tap_width(), plan.tap * D);
     hc_mix(L.hc_attn_fn, L.hc_attn_base, L.hc_attn_scale, X, T, pa, qa, Ca);
     Vec a = collapse(pre);
     rmsnorm_rows(a, D, L.attn_norm, cfg_.rms_eps);
