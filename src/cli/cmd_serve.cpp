@@ -23,7 +23,7 @@ extern "C" void on_signal(int) { g_stop.store(true); }
 int cmd_serve(int argc, char** argv) {
   Args a(argc, argv,
          {"-m", "--host", "--port", "--api-key", "--ctx", "--sessions", "--backend", "--precision", "--threads",
-          "--model-id", "--effort", "--max-body", "--keepalive"},
+          "--model-id", "--effort", "--max-body", "--keepalive", "--thinking", "--max-output"},
          {"--quiet"});
   const std::string dir = a.require("-m");
   server::ServeOptions so;
@@ -33,6 +33,9 @@ int cmd_serve(int argc, char** argv) {
   so.model_id = a.get_or("--model-id", "deepseek-v4.1-flash");
   so.max_body_bytes = static_cast<size_t>(a.get_int("--max-body", 8 << 20));
   if (a.has("--effort")) so.default_effort = text::parse_effort(a.require("--effort"));
+  so.thinking = a.get_or("--thinking", "auto");
+  if (so.thinking != "auto" && so.thinking != "on" && so.thinking != "off") fail("--thinking must be auto, on or off");
+  so.max_output = a.get_int("--max-output", 0);
   so.scheduler.max_sessions = static_cast<int>(a.get_int("--sessions", 4));
   so.scheduler.keepalive_seconds = a.get_double("--keepalive", 5.0);
   so.scheduler.log_requests = !a.has("--quiet");

@@ -215,6 +215,8 @@ void HttpServer::routes() {
       GenRequest g;
       ApiError err;
       if (!ad->parse(req.body, ctx_, g, err)) return reject(err);
+      if (o_.thinking == "on") g.thinking = true;
+      if (o_.thinking == "off") g.thinking = false;
       if (g.session_hint.empty()) g.session_hint = req.get_header_value("x-session-affinity");
       if (g.session_hint.empty()) g.session_hint = req.get_header_value("x-claude-code-session-id");
       // render and tokenize (client text never becomes a control token: encode_segments)
@@ -246,6 +248,7 @@ void HttpServer::routes() {
       job->api = path;
       job->prompt = std::move(ids);
       job->max_tokens = std::max<int64_t>(1, std::min<int64_t>(g.max_tokens > 0 ? g.max_tokens : ctx, ctx - n));
+      if (o_.max_output > 0) job->max_tokens = std::min(job->max_tokens, o_.max_output);
       job->sampling = g.sampling;
       job->session_hint = g.session_hint;
       text::ParserOptions po;

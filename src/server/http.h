@@ -29,6 +29,8 @@ struct ServeOptions {
   std::string model_id = "deepseek-v4.1-flash";
   text::Effort default_effort;       // Default: the renderer's default (high)
   int threads = 32;                  // HTTP worker threads (concurrent connections)
+  std::string thinking = "auto";     // auto: as each request asks; on / off: the operator decides
+  int64_t max_output = 0;            // > 0: at most this many generated tokens per request
   SchedulerOptions scheduler;
 };
 
