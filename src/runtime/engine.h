@@ -167,11 +167,11 @@ class Session {
   void feed(const int32_t* ids, int64_t n, float* logits, bool all_rows);
   int32_t feed_greedy(const int32_t* ids, int64_t n);
 
-  // Makes the state that of `ids[0..n)` with the last token fed (so that the next
-  // token can be chosen from `logits`, [vocab], when given): keeps the longest common
-  // prefix of tokens() and ids (at most n - 1 tokens), goes back to it within the
-  // rollback depth or from the nearest checkpoint at or before it, and prefills the
-  // rest, keeping checkpoints as it goes (EngineOptions::checkpoint_every).
+  // Makes the state that of `ids[0..n)`: keeps the longest common prefix of tokens()
+  // and ids, goes back to it within the rollback depth or from the nearest checkpoint
+  // at or before it, and prefills the rest, keeping checkpoints as it goes
+  // (EngineOptions::checkpoint_every). With `logits` ([vocab]) the last token is always
+  // fed (at most n - 1 tokens are kept), so that its logits choose the next token.
   SyncResult sync(const int32_t* ids, int64_t n, float* logits = nullptr);
   SyncResult sync(const std::vector<int32_t>& ids, float* logits = nullptr) {
     return sync(ids.data(), static_cast<int64_t>(ids.size()), logits);
