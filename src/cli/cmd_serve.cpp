@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <string>
 #include <thread>
 
 #include "cli/registry.h"
@@ -47,7 +48,13 @@ int cmd_serve(int argc, char** argv) {
   o.precision = a.get_or("--precision", "fp32");
   o.max_context = a.get_int("--ctx", 65536);
   if (o.max_context < 256) fail("--ctx must be at least 256 tokens");
-  std::fprintf(stderr, "dsx serve: loading %s (%s) ...\n", dir.c_str(), o.backend.c_str());
+  std::fprintf(stderr, "dsx serve: loading %s (%s)\n", dir.c_str(), o.backend.c_str());
+  o.progress = [](double f) {
+    const int w = 40, k = static_cast<int>(f * w + 0.5);
+    std::fprintf(stderr, "\r[%s%s] %3d%%", std::string(static_cast<size_t>(k), '#').c_str(),
+                 std::string(static_cast<size_t>(w - k), ' ').c_str(), static_cast<int>(f * 100 + 0.5));
+    if (f >= 1.0) std::fprintf(stderr, "\n");
+  };
   const auto t0 = std::chrono::steady_clock::now();
   text::Tokenizer tok = text::Tokenizer::from_model_dir(dir);
   auto eng = load_engine(dir, o);

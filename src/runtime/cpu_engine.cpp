@@ -151,8 +151,11 @@ struct Registration {
       if (cfg.family == Family::V4)
         return std::make_unique<CpuEngineOf<V4Cpu>>(std::make_unique<V4Cpu>(cfg, bind_weights_v4(cfg, files)), opts,
                                                     "deepseek_v4");
+      if (opts.progress) opts.progress(0.1);
       ModelWeights w = bind_weights(cfg, files);
+      if (opts.progress) opts.progress(0.6);
       std::vector<int32_t> cmap = load_engram_token_map(dir, cfg);
+      if (opts.progress) opts.progress(1.0);
       return std::make_unique<CpuEngineOf<V41Cpu>>(std::make_unique<V41Cpu>(cfg, std::move(w), std::move(cmap)), opts,
                                                    "deepseek_v41");
     });

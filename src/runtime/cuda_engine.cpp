@@ -130,7 +130,8 @@ std::unique_ptr<Engine> load_cuda_engine(const std::string& dir, const EngineOpt
   auto files = std::make_shared<ModelFiles>(dir);
   ModelWeights w = bind_weights(cfg, files);
   auto cmap = load_engram_token_map(dir, cfg);
-  return std::make_unique<CudaEngine>(cuda::DeviceModel::from_weights(cfg, w, act, std::move(cmap)), o);
+  if (o.progress) o.progress(0.02);  // (checkpoint bound: the upload follows)
+  return std::make_unique<CudaEngine>(cuda::DeviceModel::from_weights(cfg, w, act, std::move(cmap), o.progress), o);
 }
 
 std::unique_ptr<Engine> make_synthetic_cuda_engine(const ModelConfig& cfg, const EngineOptions& o, uint64_t seed) {

@@ -3,6 +3,7 @@
 #include "backend/cuda/device_model.h"
 
 #include <cmath>
+#include <functional>
 #include <cstring>
 
 #include "backend/cuda/step_kernels.h"
@@ -22,6 +23,9 @@ struct Uploader {
   uint64_t counter = 0;
   bool sizing = true;  // first pass counts bytes, second pass copies
   size_t bytes = 0;
+  // copy pass: bytes placed so far of `total`, reported to `progress` every ~1 %
+  size_t placed = 0, total = 0, next_report = 0;
+  const std::function<void(double)>* progress = nullptr;
 
   void* place(const void* host, size_t n, int kind = 0, float std = 0.02f, float mean = 0.0f, int center = 120) {
     if (sizing) {
@@ -29,6 +33,11 @@ struct Uploader {
       return nullptr;
     }
     void* d = m.arena_.take(n);
+    placed += aligned(n);
+    if (progress && *progress && placed >= next_report && total > 0) {
+      (*progress)(static_cast<double>(placed) / static_cast<double>(total));
+      next_report = placed + total / 100;
+    }
     if (host) {
       DSX_CUDA_CHECK(cudaMemcpy(d, host, n, cudaMemcpyHostToDevice));
     } else {
@@ -273,7 +282,8 @@ void upload_pass(Uploader& u, const ModelConfig& c, const ModelWeights* hw) {
 }  // namespace
 
 std::unique_ptr<DeviceModel> DeviceModel::from_weights(const ModelConfig& cfg, const ModelWeights& w, Act act,
-                                                       std::vector<int32_t> cmap) {
+                                                       std::vector<int32_t> cmap,
+                                                       const std::function<void(double)>& progress) {
   auto m = std::make_unique<DeviceModel>();
   m->cfg = cfg;
   m->act = act;
@@ -287,7 +297,10 @@ std::unique_ptr<DeviceModel> DeviceModel::from_weights(const ModelConfig& cfg, c
   m->arena_.reserve(sz.bytes);
   Uploader up{*m};
   up.sizing = false;
+  up.total = sz.bytes;
+  up.progress = &progress;
   upload_pass(up, cfg, &w);
+  if (progress) progress(1.0);
   m->decode_weight_bytes = v41_decode_weight_bytes(cfg);
   return m;
 }

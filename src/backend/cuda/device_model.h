@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -120,8 +121,10 @@ class DeviceModel {
   std::shared_ptr<ModelFiles> files;  // keeps host mappings alive (host engram gathers)
   std::vector<uint8_t> synthetic_engram;  // synthetic model: small host table
 
+  // progress (optional): the fraction of the weight bytes on the device, every ~1 %.
   static std::unique_ptr<DeviceModel> from_weights(const ModelConfig& cfg, const ModelWeights& w, Act act,
-                                                   std::vector<int32_t> cmap);
+                                                   std::vector<int32_t> cmap,
+                                                   const std::function<void(double)>& progress = {});
   static std::unique_ptr<DeviceModel> synthetic(const ModelConfig& cfg, Act act, uint64_t seed);
 
  private:
