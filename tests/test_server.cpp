@@ -339,3 +339,84 @@ TEST(Server, BadRequestsGetWellFormed4xx) {
   ASSERT_TRUE(r);
   EXPECT_EQ(r->status, 413);
 }
+
+// tool_choice forces a call even from a random model: a parseable call of the named tool
+// whose arguments satisfy the schema (the required keys, their types), in every API.
+TEST(Server, ForcedToolCallsAreValid) {
+  SERVE(s);
+  auto c = client(*s);
+  json tools = json::array({{{"type", "function"},
+                             {"function", {{"name", "bash"}, {"description", "Run a shell command"},
+                                           {"parameters", {{"type", "object"},
+                                                           {"properties", {{"command", {{"type", "string"}}},
+                                                                           {"timeout", {{"type", "integer"}}}}},
+                                                           {"required", {"command", "timeout"}}}}}}}});
+  for (bool stream : {false, true}) {
+    json b = chat_body("List the files.", stream, 200);
+    b["tools"] = tools;
+    b["tool_choice"] = {{"type", "function"}, {"function", {{"name", "bash"}}}};
+    auto r = c.Post("/v1/chat/completions", b.dump(), "application/json");
+    ASSERT_TRUE(r);
+    ASSERT_EQ(r->status, 200) << r->body;
+    std::string name, args, finish;
+    if (!stream) {
+      json j = json::parse(r->body);
+      finish = j["choices"][0]["finish_reason"];
+      ASSERT_TRUE(j["choices"][0]["message"]["tool_calls"].is_array()) << r->body;
+      name = j["choices"][0]["message"]["tool_calls"][0]["function"]["name"];
+      args = j["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"];
+    } else {
+      for (const auto& ch : sse(r->body)) {
+        if (!ch.contains("choices") || ch["choices"].empty()) continue;
+        const json& ch0 = ch["choices"][0];
+        if (ch0["finish_reason"].is_string()) finish = ch0["finish_reason"];
+        if (ch0["delta"].contains("tool_calls"))
+          for (const auto& tc : ch0["delta"]["tool_calls"]) {
+            if (tc["function"].contains("name")) name = tc["function"]["name"];
+            if (tc["function"].contains("arguments")) args += tc["function"]["arguments"].get<std::string>();
+          }
+      }
+    }
+    EXPECT_EQ(finish, "tool_calls") << (stream ? "stream" : "non-stream");
+    EXPECT_EQ(name, "bash");
+    json a = json::parse(args);
+    EXPECT_TRUE(a["command"].is_string()) << args;
+    // (a JSON integer of any size: nlohmann reads one beyond 64 bits as a float)
+    const size_t at = args.find("\"timeout\": ");
+    ASSERT_NE(at, std::string::npos) << args;
+    size_t e = at + 11;
+    if (e < args.size() && args[e] == '-') ++e;
+    const size_t d0 = e;
+    while (e < args.size() && std::isdigit(static_cast<unsigned char>(args[e]))) ++e;
+    EXPECT_TRUE(e > d0 && e < args.size() && (args[e] == ',' || args[e] == '}')) << args;
+    EXPECT_TRUE(a["timeout"].is_number()) << args;
+  }
+  // Anthropic: tool_choice {type: tool}
+  json mb = {{"model", "x"}, {"max_tokens", 200}, {"messages", {{{"role", "user"}, {"content", "Read a file."}}}},
+             {"tools", {{{"name", "read"}, {"description", "Read a file"},
+                         {"input_schema", {{"type", "object"}, {"properties", {{"path", {{"type", "string"}}}}},
+                                           {"required", {"path"}}}}}}},
+             {"tool_choice", {{"type", "tool"}, {"name", "read"}}}};
+  auto r = c.Post("/v1/messages", mb.dump(), "application/json");
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  json j = json::parse(r->body);
+  EXPECT_EQ(j["stop_reason"], "tool_use");
+  bool found = false;
+  for (const auto& blk : j["content"])
+    if (blk["type"] == "tool_use") found = blk["name"] == "read" && blk["input"]["path"].is_string();
+  EXPECT_TRUE(found) << r->body;
+  // Responses: tool_choice required
+  json rb = {{"model", "x"}, {"max_output_tokens", 200}, {"input", "Read a file."}, {"tool_choice", "required"},
+             {"tools", {{{"type", "function"}, {"name", "read"}, {"description", "Read a file"},
+                         {"parameters", {{"type", "object"}, {"properties", {{"path", {{"type", "string"}}}}},
+                                         {"required", {"path"}}}}}}}};
+  r = c.Post("/v1/responses", rb.dump(), "application/json");
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  j = json::parse(r->body);
+  found = false;
+  for (const auto& it : j["output"])
+    if (it["type"] == "function_call") found = it["name"] == "read" && json::parse(it["arguments"].get<std::string>())["path"].is_string();
+  EXPECT_TRUE(found) << r->body;
+}

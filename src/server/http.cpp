@@ -260,6 +260,21 @@ void HttpServer::routes() {
       po.id_prefix = g.id_prefix;
       po.replay = &replay_;
       job->parser = std::move(po);
+      // tool_choice required / named and response_format: constrained decoding
+      try {
+        const bool forced = g.tools_enabled && !g.conv.tools.empty() && g.tool_choice != "auto" && g.tool_choice != "none";
+        // (the reasoning gets at most a quarter of the output budget and a string value an
+        // eighth, so that the call fits)
+        ConstraintLimits lim;
+        lim.max_reasoning_tokens = static_cast<int>(std::min<int64_t>(lim.max_reasoning_tokens, job->max_tokens / 4));
+        lim.max_string_tokens = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(lim.max_string_tokens, job->max_tokens / 8)));
+        if (forced)
+          job->constraint = tool_call_constraint(tok_, g.conv.tools, g.tool_choice, ro.profile, g.thinking, lim);
+        else if (g.response_format)
+          job->constraint = json_constraint(tok_, *g.response_format, g.thinking, lim);
+      } catch (const Error& e) {
+        return reject(ApiError{400, "invalid_request_error", e.what(), "", ""});
+      }
       auto ch = std::make_shared<Channel>();
       job->sink = ad->make_sink(g, ctx_, ch);
       if (!sched_->submit(job))

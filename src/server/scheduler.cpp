@@ -174,9 +174,12 @@ void Scheduler::decode_step(std::vector<Active*>& ds) {
     Active& a = *ds[i];
     in[i] = a.anchor;
     const bool greedy = a.job->sampling.temperature <= 0.0f;
-    if (!greedy) a.logits.resize(static_cast<size_t>(V));
-    st.feeds.push_back(Feed{a.slot->s.get(), &in[i], 1, greedy ? nullptr : a.logits.data(), nullptr,
-                            greedy ? &picks[i] : nullptr});
+    Constraint* c = a.job->constraint.get();
+    // a constrained job needs the logits on the host (or nothing, when its next token is forced)
+    const bool want_logits = c ? c->needs_logits() : !greedy;
+    if (want_logits) a.logits.resize(static_cast<size_t>(V));
+    st.feeds.push_back(Feed{a.slot->s.get(), &in[i], 1, want_logits ? a.logits.data() : nullptr, nullptr,
+                            !c && greedy ? &picks[i] : nullptr});
   }
   const auto t0 = Clock::now();
   eng_.step(st);
@@ -189,7 +192,16 @@ void Scheduler::decode_step(std::vector<Active*>& ds) {
   }
   for (size_t i = 0; i < ds.size(); ++i) {
     Active& a = *ds[i];
-    const int32_t t = picks[i] >= 0 ? picks[i] : a.sampler->sample(a.logits.data(), V);
+    int32_t t;
+    if (Constraint* c = a.job->constraint.get()) {
+      const bool greedy = a.job->sampling.temperature <= 0.0f;
+      Sampler& smp = *a.sampler;
+      t = c->next(c->needs_logits() ? a.logits.data() : nullptr, V, [&](const float* l, int64_t n) {
+        return greedy ? argmax(l, n) : smp.sample(l, n);
+      });
+    } else {
+      t = picks[i] >= 0 ? picks[i] : a.sampler->sample(a.logits.data(), V);
+    }
     a.anchor = t;
     ++a.generated;
     if (a.in_reasoning) ++a.reasoning_tokens;
@@ -201,7 +213,7 @@ void Scheduler::decode_step(std::vector<Active*>& ds) {
     for (const auto& e : ev)
       if (e.type == text::EventType::ReasoningEnd) a.in_reasoning = false;
     if (!ev.empty()) a.job->sink->events(ev);
-    if (a.parser->should_stop()) {
+    if (a.parser->should_stop() || (a.job->constraint && a.job->constraint->done())) {
       finish(a, text::EndCause::Eos);
     } else if (a.generated >= a.job->max_tokens || a.slot->s->position() + 1 >= a.slot->s->capacity()) {
       finish(a, text::EndCause::Length);

@@ -22,6 +22,7 @@
 #include "runtime/engine.h"
 #include "runtime/sampler.h"
 #include "server/api.h"
+#include "server/constrain.h"
 #include "text/dsml.h"
 #include "text/tokenizer.h"
 
@@ -35,6 +36,9 @@ struct Job {
   int64_t max_tokens = 0;  // > 0
   SamplerOptions sampling;
   std::shared_ptr<Sink> sink;
+  // tool_choice required / named, response_format: the tokens are chosen under this
+  // constraint (logits on the host every step), and the completion ends when it is done
+  std::unique_ptr<Constraint> constraint;
   std::string session_hint;
   std::chrono::steady_clock::time_point submitted = std::chrono::steady_clock::now();
   std::chrono::steady_clock::time_point last_keepalive = submitted;  // (while queued; the scheduler's)

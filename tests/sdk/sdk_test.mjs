@@ -83,6 +83,25 @@ await step("messages", async () => {
   check(n.input_tokens > 0, `count_tokens: ${n.input_tokens}`);
 });
 
+await step("forced tool calls", async () => {
+  const r = await openai.chat.completions.create({ model: "dsx-any", max_tokens: 200, temperature: 0,
+    messages: [{ role: "user", content: "List the files." }], tools,
+    tool_choice: { type: "function", function: { name: "bash" } } });
+  const call = r.choices[0].message.tool_calls?.[0];
+  check(r.choices[0].finish_reason === "tool_calls", `chat forced call: finish ${r.choices[0].finish_reason}`);
+  let args = null;
+  try { args = JSON.parse(call?.function?.arguments ?? ""); } catch {}
+  check(call?.function?.name === "bash" && typeof args?.command === "string",
+    `chat forced call: ${call?.function?.name} ${call?.function?.arguments?.slice(0, 60)}`);
+  const m = await anthropic.messages.create({ model: "claude-any", max_tokens: 200,
+    messages: [{ role: "user", content: "Read it." }], tool_choice: { type: "any" },
+    tools: [{ name: "read", description: "Read a file",
+      input_schema: { type: "object", properties: { path: { type: "string" } }, required: ["path"] } }] });
+  const use = m.content.find((b) => b.type === "tool_use");
+  check(m.stop_reason === "tool_use" && use?.name === "read" && typeof use?.input?.path === "string",
+    `messages forced call: ${m.stop_reason} ${use?.name}`);
+});
+
 await step("errors", async () => {
   try {
     await openai.chat.completions.create({ model: "x", messages: [{ role: "nobody", content: "?" }] });
