@@ -690,6 +690,7 @@ class MessagesSink : public Sink {
     if (done_ || !stream_) return;
     if (!started_) {
       ch_->push(": keepalive\n\n");  // (events only after message_start)
+      sent_any_ = true;
       return;
     }
     J ping = J::object();
@@ -726,7 +727,7 @@ class MessagesSink : public Sink {
 
   void fail(const ApiError& e) override {
     if (done_) return;
-    if (stream_ && started_) {
+    if (stream_ && (started_ || sent_any_)) {  // (bytes of the stream are out: an in-stream error)
       stream_error(error_message(e), anthropic_error_type(e));
       return;
     }
@@ -848,7 +849,7 @@ class MessagesSink : public Sink {
   std::shared_ptr<Channel> ch_;
   bool stream_;
   std::string model_, secret_, id_;
-  bool started_ = false, done_ = false;
+  bool started_ = false, done_ = false, sent_any_ = false;
   bool had_answer_ = false;  // a text or tool_use block was sent
   Block open_ = Block::None;
   int index_ = 0;

@@ -40,6 +40,11 @@ class Channel {
     q_.pop_front();
     return true;
   }
+  // Waits until there is something to read or the writer closed; false on timeout.
+  bool wait_ready(std::chrono::milliseconds wait) {
+    std::unique_lock<std::mutex> lk(mu_);
+    return cv_.wait_for(lk, wait, [&] { return !q_.empty() || closed_ || cancelled_; });
+  }
   // Waits until the writer closed (non-streaming answers); false on timeout.
   bool wait_closed(std::chrono::milliseconds wait) {
     std::unique_lock<std::mutex> lk(mu_);

@@ -280,6 +280,18 @@ void HttpServer::routes() {
       if (!sched_->submit(job))
         return reject(ApiError{503, "server_error", "the server is shutting down or its queue is full", "", ""});
       if (g.stream) {
+        // the status is decided by the sink's first bytes: an error before anything was
+        // streamed (the sink set a status) is answered as a plain JSON error
+        while (!ch->wait_ready(std::chrono::milliseconds(1000))) {
+        }
+        if (ch->status() != 200) {
+          while (!ch->wait_closed(std::chrono::milliseconds(1000))) {
+          }
+          ++http_errors_;
+          res.status = ch->status();
+          res.set_content(ch->drain(), ch->content_type());
+          return;
+        }
         res.set_header("Cache-Control", "no-cache");
         res.set_chunked_content_provider(
             "text/event-stream",
