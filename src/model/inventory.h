@@ -104,7 +104,7 @@ class TensorInventory {
 // The DSpark draft stages mtp.<s>.* of a config with num_nextn_predict_layers stages
 // (spec dspark.md §3): per stage the block of a window-only layer with
 // dspark_n_routed_experts experts; mtp.0 adds main_proj / main_norm, the last stage norm,
-// the Markov head and the confidence head. Empty without stages. Nothing loads them yet.
+// the Markov head and the confidence head. Empty without stages. Loaded by model/dspark.h.
 std::vector<TensorSpec> dspark_inventory(const ModelConfig& c);
 
 // Bytes of t one decode step reads: all of it, except the embedding (one row), the routed

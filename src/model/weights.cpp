@@ -117,6 +117,62 @@ void EngramTable::gather_row(int64_t r, float* out) const {
   for (int j = 0; j < dim; ++j) out[j] = e4m3_to_f32(w[j]) * e8m0_to_f32(s[j / block]);
 }
 
+bool bind_layer_tensor(WeightBinder& b, const TensorSpec& t, LayerWeights& L) {
+  const size_t e = static_cast<size_t>(t.expert);
+  if (t.expert >= 0 && L.w1.size() <= e) L.w1.resize(e + 1), L.w2.resize(e + 1), L.w3.resize(e + 1);
+  switch (t.role) {
+    case Role::attn_norm: L.attn_norm = b.values(t); break;
+    case Role::ffn_norm: L.ffn_norm = b.values(t); break;
+    case Role::hc_attn_fn: L.hc_attn_fn = b.matrix(t); break;
+    case Role::hc_attn_base: L.hc_attn_base = b.values(t); break;
+    case Role::hc_attn_scale: L.hc_attn_scale = b.values(t); break;
+    case Role::hc_ffn_fn: L.hc_ffn_fn = b.matrix(t); break;
+    case Role::hc_ffn_base: L.hc_ffn_base = b.values(t); break;
+    case Role::hc_ffn_scale: L.hc_ffn_scale = b.values(t); break;
+    case Role::wq_a: L.wq_a = b.matrix(t); break;
+    case Role::q_norm: L.q_norm = b.values(t); break;
+    case Role::wq_b: L.wq_b = b.matrix(t); break;
+    case Role::wkv: L.wkv = b.matrix(t); break;
+    case Role::kv_norm: L.kv_norm = b.values(t); break;
+    case Role::wo_a: L.wo_a = b.matrix(t); break;
+    case Role::wo_b: L.wo_b = b.matrix(t); break;
+    case Role::attn_sink: L.attn_sink = b.values(t); break;
+    case Role::comp_wkv: L.comp_wkv = b.matrix(t); break;
+    case Role::comp_wgate: L.comp_wgate = b.matrix(t); break;
+    case Role::comp_norm: L.comp_norm = b.values(t); break;
+    case Role::idx_wq_b: L.idx_wq_b = b.matrix(t); break;
+    case Role::idx_weights_proj: L.idx_weights_proj = b.matrix(t); break;
+    case Role::idx_wk: L.idx_wk = b.matrix(t); break;
+    case Role::idx_k_norm: L.idx_k_norm = b.values(t); break;
+    case Role::gate: L.gate = b.matrix(t); break;
+    case Role::gate_bias: L.gate_bias = b.values(t); break;
+    case Role::gate_bias_vl: b.values(t); break;  // checked; image tokens only
+    case Role::expert_w1: L.w1[e] = b.matrix(t); break;
+    case Role::expert_w3: L.w3[e] = b.matrix(t); break;
+    case Role::expert_w2: L.w2[e] = b.matrix(t); break;
+    case Role::shared_w1: L.sw1 = b.matrix(t); break;
+    case Role::shared_w3: L.sw3 = b.matrix(t); break;
+    case Role::shared_w2: L.sw2 = b.matrix(t); break;
+    case Role::engram_table: {
+      const std::vector<StoredTensor> st = stored_tensors(t);
+      const TensorView& tw = b.tensor(st[0].name, st[0].shape, {st[0].dtype});
+      const TensorView& ts = b.tensor(st[1].name, st[1].shape, {st[1].dtype});
+      L.has_engram = true;
+      L.engram_table = EngramTable{t.rows(), static_cast<int>(t.cols()), t.block, tw.data, ts.data};
+      break;
+    }
+    case Role::engram_wkv: L.engram_wkv = b.matrix(t); break;
+    case Role::engram_q_weight: L.engram_w = b.values(t); break;  // times k_weight, which follows
+    case Role::engram_k_weight: {
+      const std::vector<float> kw = b.values(t);
+      for (size_t i = 0; i < kw.size(); ++i) L.engram_w[i] = L.engram_w[i] * kw[i];
+      break;
+    }
+    default: return false;
+  }
+  return true;
+}
+
 ModelWeights bind_weights(const ModelConfig& c, std::shared_ptr<ModelFiles> files) {
   if (c.family != Family::V41) fail(files->dir(), ": model_type '", c.model_type, "' is not supported yet by the forward pass");
   WeightBinder b(c, *files, /*skip_vision=*/true);  // V4.1 checkpoints may carry the vision modules
@@ -138,58 +194,8 @@ ModelWeights bind_weights(const ModelConfig& c, std::shared_ptr<ModelFiles> file
       }
       continue;
     }
-    LayerWeights& L = w.layers[static_cast<size_t>(t.layer)];
-    const size_t e = static_cast<size_t>(t.expert);
-    switch (t.role) {
-      case Role::attn_norm: L.attn_norm = b.values(t); break;
-      case Role::ffn_norm: L.ffn_norm = b.values(t); break;
-      case Role::hc_attn_fn: L.hc_attn_fn = b.matrix(t); break;
-      case Role::hc_attn_base: L.hc_attn_base = b.values(t); break;
-      case Role::hc_attn_scale: L.hc_attn_scale = b.values(t); break;
-      case Role::hc_ffn_fn: L.hc_ffn_fn = b.matrix(t); break;
-      case Role::hc_ffn_base: L.hc_ffn_base = b.values(t); break;
-      case Role::hc_ffn_scale: L.hc_ffn_scale = b.values(t); break;
-      case Role::wq_a: L.wq_a = b.matrix(t); break;
-      case Role::q_norm: L.q_norm = b.values(t); break;
-      case Role::wq_b: L.wq_b = b.matrix(t); break;
-      case Role::wkv: L.wkv = b.matrix(t); break;
-      case Role::kv_norm: L.kv_norm = b.values(t); break;
-      case Role::wo_a: L.wo_a = b.matrix(t); break;
-      case Role::wo_b: L.wo_b = b.matrix(t); break;
-      case Role::attn_sink: L.attn_sink = b.values(t); break;
-      case Role::comp_wkv: L.comp_wkv = b.matrix(t); break;
-      case Role::comp_wgate: L.comp_wgate = b.matrix(t); break;
-      case Role::comp_norm: L.comp_norm = b.values(t); break;
-      case Role::idx_wq_b: L.idx_wq_b = b.matrix(t); break;
-      case Role::idx_weights_proj: L.idx_weights_proj = b.matrix(t); break;
-      case Role::idx_wk: L.idx_wk = b.matrix(t); break;
-      case Role::idx_k_norm: L.idx_k_norm = b.values(t); break;
-      case Role::gate: L.gate = b.matrix(t); break;
-      case Role::gate_bias: L.gate_bias = b.values(t); break;
-      case Role::gate_bias_vl: b.values(t); break;  // checked; image tokens only
-      case Role::expert_w1: L.w1[e] = b.matrix(t); break;
-      case Role::expert_w3: L.w3[e] = b.matrix(t); break;
-      case Role::expert_w2: L.w2[e] = b.matrix(t); break;
-      case Role::shared_w1: L.sw1 = b.matrix(t); break;
-      case Role::shared_w3: L.sw3 = b.matrix(t); break;
-      case Role::shared_w2: L.sw2 = b.matrix(t); break;
-      case Role::engram_table: {
-        const std::vector<StoredTensor> st = stored_tensors(t);
-        const TensorView& tw = b.tensor(st[0].name, st[0].shape, {st[0].dtype});
-        const TensorView& ts = b.tensor(st[1].name, st[1].shape, {st[1].dtype});
-        L.has_engram = true;
-        L.engram_table = EngramTable{t.rows(), static_cast<int>(t.cols()), t.block, tw.data, ts.data};
-        break;
-      }
-      case Role::engram_wkv: L.engram_wkv = b.matrix(t); break;
-      case Role::engram_q_weight: L.engram_w = b.values(t); break;  // times k_weight, which follows
-      case Role::engram_k_weight: {
-        const std::vector<float> kw = b.values(t);
-        for (size_t i = 0; i < kw.size(); ++i) L.engram_w[i] = L.engram_w[i] * kw[i];
-        break;
-      }
-      default: fail("bind_weights: no place for the ", role_name(t.role), " tensor '", t.name, "'");
-    }
+    if (!bind_layer_tensor(b, t, w.layers[static_cast<size_t>(t.layer)]))
+      fail("bind_weights: no place for the ", role_name(t.role), " tensor '", t.name, "'");
   }
   b.check_unused();
   return w;

@@ -80,6 +80,15 @@ struct ModelWeights {
   std::vector<float> hc_head_base, hc_head_scale;
 };
 
+class WeightBinder;  // model/weight_binder.h
+struct TensorSpec;   // model/inventory.h
+
+// Binds one per-layer tensor of the inventory (a backbone layer's or a DSpark stage's
+// block: norms, hc mixers, attention, compressor, indexer, router, experts, Engram) into
+// L, checked by b. Returns false for a role that has no place in a layer (global and
+// DSpark-only tensors).
+bool bind_layer_tensor(WeightBinder& b, const TensorSpec& t, LayerWeights& L);
+
 // Binds and validates every tensor. Unknown tensors are an error, except the
 // modules a text backbone does not use (vision / aligner / image delimiters, and
 // the draft stages mtp.* when the config declares them).
