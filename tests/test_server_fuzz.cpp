@@ -1327,9 +1327,15 @@ std::string check_sink_output(Endpoint ep, const GenRequest& g, Channel& ch, boo
     return std::string("the sink did not close the channel after ") + (failed ? "fail" : "end");
   const std::string body = ch.drain();
   const std::string ctype = ch.content_type();
-  // A streaming request is answered as http.cpp does: a 200 event stream whose bytes are whatever
-  // the sink pushed (the status and content type it sets are not used), so even a failure before
-  // start must come as SSE. A non-streaming one is the one JSON body with the sink's status.
+  // Answered as http.cpp does. A streaming request: http.cpp waits for the sink's first bytes; a
+  // sink that set an error status before streaming anything (a failure before start) is answered
+  // as that one JSON error with its status, anything else as a 200 event stream of the pushed
+  // bytes. A non-streaming one is the one JSON body with the sink's status.
+  if (g.stream && ch.status() != 200) {
+    if (!failed) return "an ended stream with error status " + std::to_string(ch.status());
+    if (ctype.rfind("application/json", 0) != 0) return "a stream's error answer with content type '" + ctype + "'";
+    return check_json_answer(ep, ch.status(), body);
+  }
   if (!g.stream) {
     if (ctype.rfind("application/json", 0) != 0) return "a non-streaming answer with content type '" + ctype + "'";
     if (std::string p = check_json_answer(ep, ch.status(), body); !p.empty()) return p;

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "runtime/sampler.h"
@@ -77,5 +78,32 @@ class Sink {
   // The client went away (the HTTP layer could not write): the scheduler stops the job.
   virtual bool cancelled() const = 0;
 };
+
+// JSON nesting accepted in a request body. Deeper bodies are refused (a 400 "invalid JSON:
+// nested deeper than ... levels") before any parser sees them: nlohmann's DOM parser
+// copies nested values recursively and the tool-schema re-serializers recurse, so a few
+// hundred KB of brackets would otherwise overflow the stack. Real requests nest < 30.
+constexpr int kMaxRequestDepth = 200;
+
+// Whether the JSON text s nests at most `max` arrays / objects deep (brackets inside
+// strings do not count; s need not be valid JSON).
+inline bool json_depth_ok(std::string_view s, int max = kMaxRequestDepth) {
+  int d = 0;
+  bool in_str = false, esc = false;
+  for (char c : s) {
+    if (in_str) {
+      if (esc) esc = false;
+      else if (c == '\\') esc = true;
+      else if (c == '"') in_str = false;
+    } else if (c == '"') {
+      in_str = true;
+    } else if (c == '[' || c == '{') {
+      if (++d > max) return false;
+    } else if (c == ']' || c == '}') {
+      --d;
+    }
+  }
+  return true;
+}
 
 }  // namespace dsx::server

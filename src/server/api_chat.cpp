@@ -493,6 +493,8 @@ std::string json_error_text(const std::exception& e) {
 bool chat_parse(std::string_view body, const AdapterContext& ctx, GenRequest& out, ApiError& err) {
   err = ApiError{};
   try {
+    if (!json_depth_ok(body))
+      throw BadRequest{"", "invalid JSON body: nested deeper than " + std::to_string(kMaxRequestDepth) + " levels"};
     json root;
     try {
       root = json::parse(body.begin(), body.end());

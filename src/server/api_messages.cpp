@@ -27,7 +27,6 @@ namespace {
 using J = nlohmann::ordered_json;
 namespace pyjson = text::pyjson;
 
-constexpr int kMaxJsonDepth = 512;  // as text::pyjson's default
 
 thread_local std::vector<std::string> t_dropped_tools;
 
@@ -130,16 +129,10 @@ J arguments_object(const std::string& arguments) {
   return J::object();
 }
 
-struct TooDeep {};
-
 J parse_body_json(std::string_view body) {
+  if (!json_depth_ok(body)) bad("", "invalid JSON: nested deeper than " + std::to_string(kMaxRequestDepth) + " levels");
   try {
-    return J::parse(body.begin(), body.end(), [](int depth, J::parse_event_t, J&) {
-      if (depth > kMaxJsonDepth) throw TooDeep{};
-      return true;
-    });
-  } catch (const TooDeep&) {
-    bad("", "invalid JSON: nested deeper than " + std::to_string(kMaxJsonDepth) + " levels");
+    return J::parse(body.begin(), body.end());
   } catch (const J::exception& e) {
     std::string m = e.what();  // "[json.exception.parse_error.101] parse error at ..."
     if (!m.empty() && m[0] == '[') {

@@ -74,7 +74,6 @@ namespace {
 using json = nlohmann::ordered_json;
 namespace pyjson = text::pyjson;
 
-constexpr int kMaxBodyDepth = 200;  // JSON nesting accepted in a request body
 
 // A client error: `param` names the field (it is also the message's prefix).
 struct BadRequest {
@@ -185,27 +184,6 @@ const pyjson::Value* py_at(const pyjson::Value* v, size_t i) {
 pyjson::Value py_or(const pyjson::Value* py, const json& j, const std::string& where) {
   if (py && ((py->is_object() && j.is_object()) || (py->is_array() && j.is_array()))) return *py;
   return to_py(j, where);
-}
-
-// The nesting depth of a JSON text is at most `max` (the tool schemas are re-serialized
-// recursively, so a pathological nesting is refused up front).
-bool depth_ok(std::string_view s, int max) {
-  int d = 0;
-  bool in_str = false, esc = false;
-  for (char c : s) {
-    if (in_str) {
-      if (esc) esc = false;
-      else if (c == '\\') esc = true;
-      else if (c == '"') in_str = false;
-    } else if (c == '"') {
-      in_str = true;
-    } else if (c == '[' || c == '{') {
-      if (++d > max) return false;
-    } else if (c == ']' || c == '}') {
-      --d;
-    }
-  }
-  return true;
 }
 
 bool is_text_part(const std::string& t) {
@@ -601,7 +579,7 @@ void parse_text_format(const json& t, const pyjson::Value* pt, GenRequest& out) 
 }
 
 void parse_request(std::string_view body, const AdapterContext& ctx, GenRequest& out) {
-  if (!depth_ok(body, kMaxBodyDepth)) bad("", "request body: JSON nested deeper than ", kMaxBodyDepth, " levels");
+  if (!json_depth_ok(body)) bad("", "request body: invalid JSON: nested deeper than ", kMaxRequestDepth, " levels");
   json root;
   try {
     root = json::parse(body.begin(), body.end());
