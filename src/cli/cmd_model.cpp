@@ -3,6 +3,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/manifest.h"
 #include "cli/registry.h"
 #include "runtime/engine.h"
 #include "runtime/generate.h"
@@ -86,11 +87,12 @@ void generate_usage() {
       "  --backend cpu|cuda  (default cpu)\n"
       "  --precision fp32|bf16  CUDA precision (default fp32)\n"
       "  --threads N         CPU threads\n"
+      "  --manifest FILE     write a reproducibility manifest (dsx manifest verify FILE)\n"
       "  -h, --help          this text\n");
 }
 
 int cmd_generate(int argc, char** argv) {
-  Args a(argc, argv, with({"-m", "--ids", "-n", "--temperature", "--top-p", "--top-k", "--seed"}, kEngineOpts),
+  Args a(argc, argv, with({"-m", "--ids", "-n", "--temperature", "--top-p", "--top-k", "--seed", "--manifest"}, kEngineOpts),
          {"--greedy", "--stop-eos", "-h", "--help"});
   if (a.has("-h") || a.has("--help")) {
     generate_usage();
@@ -113,6 +115,10 @@ int cmd_generate(int argc, char** argv) {
   std::string line;
   for (size_t i = 0; i < r.ids.size(); ++i) line += (i ? " " : "") + std::to_string(r.ids[i]);
   std::printf("%s\n", line.c_str());
+  std::fflush(stdout);
+  if (a.has("--manifest"))
+    write_manifest(a.require("--manifest"), {.command = "generate", .model_dir = dir, .engine = eng.get(), .options = go,
+                                             .prompt_ids = ids, .result = r, .ids_file = a.require("--ids")});
   return 0;
 }
 

@@ -8,6 +8,7 @@
 #include <string_view>
 #include <vector>
 
+#include "cli/manifest.h"
 #include "cli/registry.h"
 #include "runtime/engine.h"
 #include "runtime/generate.h"
@@ -24,7 +25,7 @@ namespace {
 
 const std::vector<std::string> kValueOpts = {"-m",       "-p",        "-f",      "-n",     "--system",
                                              "--thinking", "--temperature", "--top-p", "--top-k", "--seed",
-                                             "--backend", "--precision", "--threads", "--stop"};
+                                             "--backend", "--precision", "--threads", "--stop", "--manifest"};
 const std::vector<std::string> kFlagOpts = {"--raw", "--show-prompt", "--stats", "-h", "--help"};
 
 void usage() {
@@ -54,6 +55,7 @@ void usage() {
       "  --precision fp32|bf16  CUDA precision (default fp32)\n"
       "  --threads N         CPU threads\n"
       "  --stats             print token counts, timings and the finish reason to stderr\n"
+      "  --manifest FILE     write a reproducibility manifest (dsx manifest verify FILE)\n"
       "  -h, --help          this text\n");
 }
 
@@ -145,6 +147,11 @@ int cmd_run(int argc, char** argv) {
   });
   std::printf("\n");
   std::fflush(stdout);
+  if (a.has("--manifest"))
+    write_manifest(a.require("--manifest"), {.command = "run", .model_dir = dir, .engine = eng.get(), .options = go,
+                                             .prompt_ids = ids, .result = r, .prompt_text = prompt,
+                                             .system = a.get("--system"), .thinking = a.get_or("--thinking", "off") == "on",
+                                             .raw = a.has("--raw")});
   if (a.has("--stats")) {
     const double tps = r.decode_seconds > 0 && r.generated_tokens > 1
                            ? static_cast<double>(r.generated_tokens - 1) / r.decode_seconds

@@ -1,7 +1,5 @@
 #include "model/weights.h"
 
-#include <openssl/evp.h>
-
 #include <algorithm>
 #include <cstring>
 #include <nlohmann/json.hpp>
@@ -12,26 +10,16 @@
 #include "util/error.h"
 #include "util/mmap_file.h"
 #include "util/numerics.h"
+#include "util/sha256.h"
 
 namespace dsx {
 
 namespace {
 
 std::string sha256_hex(const std::vector<std::pair<const void*, size_t>>& parts) {
-  EVP_MD_CTX* ctx = EVP_MD_CTX_new();
-  EVP_DigestInit_ex(ctx, EVP_sha256(), nullptr);
-  for (const auto& [p, n] : parts) EVP_DigestUpdate(ctx, p, n);
-  unsigned char md[32];
-  unsigned int len = 0;
-  EVP_DigestFinal_ex(ctx, md, &len);
-  EVP_MD_CTX_free(ctx);
-  static const char* hex = "0123456789abcdef";
-  std::string s;
-  for (unsigned i = 0; i < len; ++i) {
-    s.push_back(hex[md[i] >> 4]);
-    s.push_back(hex[md[i] & 15]);
-  }
-  return s;
+  Sha256 h;
+  for (const auto& [p, n] : parts) h.update(p, n);
+  return h.hex();
 }
 
 }  // namespace

@@ -5,13 +5,13 @@
 #include <fstream>
 #include <unordered_map>
 
-#include <openssl/evp.h>
 #include <utf8proc.h>
 
 #include "text/unicode.h"
 #include "text/unicode_tables.h"
 #include "util/error.h"
 #include "util/safetensors.h"
+#include "util/sha256.h"
 
 namespace dsx::text {
 
@@ -140,33 +140,7 @@ std::vector<int32_t> build_engram_token_map(const Tokenizer& tok, int32_t* n_key
   return cmap;
 }
 
-std::string sha256_file_hex(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) fail("cannot open ", path, " to hash it");
-  EVP_MD_CTX* ctx = EVP_MD_CTX_new();
-  if (!ctx || EVP_DigestInit_ex(ctx, EVP_sha256(), nullptr) != 1) {
-    EVP_MD_CTX_free(ctx);
-    fail("SHA-256 unavailable");
-  }
-  std::vector<char> buf(1 << 16);
-  while (f) {
-    f.read(buf.data(), static_cast<std::streamsize>(buf.size()));
-    if (f.gcount() > 0) EVP_DigestUpdate(ctx, buf.data(), static_cast<size_t>(f.gcount()));
-  }
-  const bool bad = f.bad();
-  unsigned char md[EVP_MAX_MD_SIZE];
-  unsigned int len = 0;
-  EVP_DigestFinal_ex(ctx, md, &len);
-  EVP_MD_CTX_free(ctx);
-  if (bad) fail("cannot read ", path, " to hash it");
-  static const char* hex = "0123456789abcdef";
-  std::string r;
-  for (unsigned i = 0; i < len; ++i) {
-    r.push_back(hex[md[i] >> 4]);
-    r.push_back(hex[md[i] & 15]);
-  }
-  return r;
-}
+std::string sha256_file_hex(const std::string& path) { return dsx::sha256_file_hex(path); }
 
 
 }  // namespace dsx::text
