@@ -62,7 +62,8 @@ std::string write_model(const std::string& name, uint64_t seed, int moe_inter) {
 }
 
 const std::string& model_dir(int which) {
-  static const std::string dirs[2] = {write_model("disk_cache_model_a", 26, 32), write_model("disk_cache_model_b", 27, 64)};
+  static const std::string dirs[2] = {write_model("disk_cache_model_a", 26, 32),
+                                      write_model("disk_cache_model_b", 27, 64)};
   return dirs[which];
 }
 
@@ -794,7 +795,8 @@ TEST(DiskCache, CrashSafetyUnderKill9) {
       pruned += before - owner->stats().entries;
       std::set<std::string> left;
       for (const auto& e : owner->entries()) left.insert(e.name);
-      for (auto it = committed.begin(); it != committed.end();) it = left.count(it->second) ? std::next(it) : committed.erase(it);
+      for (auto it = committed.begin(); it != committed.end();)
+        it = left.count(it->second) ? std::next(it) : committed.erase(it);
     }
   }
   // the owner's open: temporary files go, every entry restores to its exact snapshot

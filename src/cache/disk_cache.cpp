@@ -11,6 +11,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -615,7 +616,8 @@ void DiskCache::touch_locked(Entry& e) {
   e.last_use_ns = t;
   if (!opt_.exclusive) return;
   // the last use is the file's mtime (metadata: the published bytes never change)
-  const struct timespec ts[2] = {{0, UTIME_OMIT}, {static_cast<time_t>(t / 1000000000), static_cast<long>(t % 1000000000)}};
+  const struct timespec ts[2] = {{0, UTIME_OMIT},
+                                 {static_cast<time_t>(t / 1000000000), static_cast<long>(t % 1000000000)}};
   ::utimensat(AT_FDCWD, path(e.name).c_str(), ts, 0);
 }
 
@@ -673,7 +675,8 @@ std::optional<CacheHit> DiskCache::lookup(const int32_t* t, int64_t n) {
         continue;
       cands.push_back(i->second);
     }
-    std::sort(cands.begin(), cands.end(), [](const auto& x, const auto& y) { return x->tokens.size() > y->tokens.size(); });
+    std::sort(cands.begin(), cands.end(),
+              [](const auto& x, const auto& y) { return x->tokens.size() > y->tokens.size(); });
     for (const auto& e : cands) {
       if (std::memcmp(e->tokens.data(), t, e->tokens.size() * 4) != 0) continue;  // (a hash collision)
       ++st_.hits;
@@ -1009,7 +1012,8 @@ void verify_file(const std::string& p, size_t buf) {
     pre.resize(hs.read(pre.data(), 16));
     if (pre.size() == 16 && std::memcmp(pre.data(), kSnapMagic, 8) == 0) {
       const uint32_t hn = get_le<uint32_t>(pre.data() + 12);
-      if (hn > kMaxSnapHeader || 32 + uint64_t{hn} > h.snapshot_bytes) bad(cat("corrupt (snapshot header length ", hn, ")"));
+      if (hn > kMaxSnapHeader || 32 + uint64_t{hn} > h.snapshot_bytes)
+        bad(cat("corrupt (snapshot header length ", hn, ")"));
       pre.resize(16 + hn);
       if (hs.read(pre.data() + 16, hn) != hn) bad("truncated (snapshot header)");
     }

@@ -198,7 +198,9 @@ class DiskCache {
   // all n: callers that need the next token's logits pass n - 1, a snapshot carries
   // none). Counts a hit or a miss; a hit becomes the most recently used entry.
   std::optional<CacheHit> lookup(const int32_t* tokens, int64_t n);
-  std::optional<CacheHit> lookup(const std::vector<int32_t>& t) { return lookup(t.data(), static_cast<int64_t>(t.size())); }
+  std::optional<CacheHit> lookup(const std::vector<int32_t>& t) {
+    return lookup(t.data(), static_cast<int64_t>(t.size()));
+  }
 
   // Streams the entry into the session (large sequential reads through an
   // io_buffer_bytes buffer; sections larger than it are read straight into place). A

@@ -132,7 +132,8 @@ int cmd_cache(int argc, char** argv) {
     }
     std::string out = cat("kv cache ", dir, "\n  entries   ", s.entries, "\n  bytes     ", s.bytes, " (", mb(s.bytes),
                           ")\n  tokens    ", tokens, "\n  used      ", when(oldest), " .. ", when(newest), "\n");
-    for (const auto& [m, v] : per_model) out += cat("  model ", m.substr(0, 16), "…: ", v.first, " entries, ", mb(v.second), "\n");
+    for (const auto& [m, v] : per_model)
+      out += cat("  model ", m.substr(0, 16), "…: ", v.first, " entries, ", mb(v.second), "\n");
     if (s.refused) out += cat("  refused   ", s.refused, " files (dsx cache ls says why)\n");
     print(out);
     return 0;
