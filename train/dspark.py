@@ -710,7 +710,7 @@ def _read_model_tensors(model_dir, want=None):
         with open(idx) as f:
             files = sorted(set(json.load(f)["weight_map"].values()))
     else:
-        files = [n for n in sorted(os.listdir(model_dir)) if n.endswith(".safetensors")]
+        files = ["model.safetensors"]
     out = {}
     for fn in files:
         hdr = ST.read_header(os.path.join(model_dir, fn))
@@ -832,21 +832,29 @@ def export_config(d):
                               c.target_layers, c.markov_rank, c.n_experts, c.top_k)
 
 
-def write_model_with_stages(target_dir, out_dir, d):
+def write_model_with_stages(target_dir, out_dir, d, cmap_file=None):
     """out_dir = the checkpoint of target_dir (config.json, model.safetensors, tokenizer.json
     and any other file) plus the stages of d: mtp.* tensors added to model.safetensors,
-    the dspark keys added to text_config. Existing mtp.* tensors of the target are replaced."""
+    the dspark keys added to text_config. Existing mtp.* tensors of the target are replaced.
+    cmap_file: the Engram map to ship as engram_cmap.safetensors when target_dir has none."""
     os.makedirs(out_dir, exist_ok=True)
     cfg = load_config(target_dir)
     t = text_config(cfg)
     t.update(export_config(d))
-    for fn in os.listdir(target_dir):
+    weight_files = {"model.safetensors", "model.safetensors.index.json"}
+    idx = os.path.join(target_dir, "model.safetensors.index.json")
+    if os.path.exists(idx):
+        with open(idx) as f:
+            weight_files |= set(json.load(f)["weight_map"].values())
+    for fn in os.listdir(target_dir):  # tokenizer.json, engram_cmap.safetensors, ...
         src = os.path.join(target_dir, fn)
-        if fn in ("config.json", "model.safetensors", "model.safetensors.index.json") or not os.path.isfile(src):
+        if fn in weight_files or fn == "config.json" or not os.path.isfile(src):
             continue
-        if fn.endswith(".safetensors"):
-            continue
+        if fn.endswith(".safetensors") and fn != "engram_cmap.safetensors":
+            continue  # only the weights are safetensors an engine reads (not goldens, not debug dumps)
         shutil.copyfile(src, os.path.join(out_dir, fn))
+    if cmap_file and not os.path.exists(os.path.join(target_dir, "engram_cmap.safetensors")):
+        shutil.copyfile(cmap_file, os.path.join(out_dir, "engram_cmap.safetensors"))
     tensors = {k: v for k, v in _read_model_tensors(target_dir).items() if not k.startswith("mtp.")}
     raw = {}
     for k, v in tensors.items():
@@ -868,7 +876,7 @@ def _raw_entry(model_dir, name, v):
         h = {}
         idx = os.path.join(model_dir, "model.safetensors.index.json")
         files = (sorted(set(json.load(open(idx))["weight_map"].values())) if os.path.exists(idx) else
-                 [n for n in os.listdir(model_dir) if n.endswith(".safetensors")])
+                 ["model.safetensors"])
         for fn in files:
             for k, info in ST.read_header(os.path.join(model_dir, fn)).items():
                 if k != "__metadata__":
@@ -879,6 +887,60 @@ def _raw_entry(model_dir, name, v):
 
 # ---------------------------------------------------------------------------------------
 # training support
+
+def init_from_target(d, model_dir=None, tensors=None, seed=0):
+    """Starts the stages from the target's last S layers (stage s <- layer L - S + s): the
+    window-attention, hc-mixer, norm, router and shared-expert tensors (every target layer
+    has them, whatever its compress ratio), and routed experts 0 .. E - 1 with their gate
+    rows when the target has at least E experts of the same width. What the target lacks
+    keeps d's current values. main_norm / norm start from the target's final norm.
+    Returns the list of tensors copied."""
+    c = d.cfg
+    if tensors is None:
+        tensors = _read_model_tensors(model_dir, lambda k: k.startswith("layers.") or k == "norm.weight")
+    copied = []
+    with torch.no_grad():
+        if "norm.weight" in tensors:
+            w = dequant(tensors, "norm.weight", "bf16")
+            d.norm.copy_(w)
+            d.main_norm.copy_(w)
+            copied.append("norm.weight")
+        for s, stage in enumerate(d.stages):
+            layer = c.n_layers - c.n_stages + s
+            if layer < 0:
+                continue
+            p = "layers.%d." % layer
+            for attr, name, kind in STAGE_TENSORS:
+                key = p + name + (".weight" if kind == "fp8" else "")
+                if key not in tensors:
+                    continue
+                if attr == "gate":
+                    w = dequant(tensors, p + name, kind)
+                    if w.shape[0] < c.n_experts or w.shape[1] != c.hidden:
+                        continue
+                    stage.gate.copy_(w[: c.n_experts])
+                else:
+                    w = dequant(tensors, p + name, kind)
+                    if tuple(w.shape) != tuple(getattr(stage, attr).shape):
+                        continue
+                    getattr(stage, attr).copy_(w)
+                copied.append(p + name)
+            if p + "ffn.gate.bias" in tensors:
+                b = dequant(tensors, p + "ffn.gate.bias", "f32")
+                if b.shape[0] >= c.n_experts:
+                    stage.gate_bias.copy_(b[: c.n_experts])
+                    stage.gate_bias_vl.copy_(b[: c.n_experts])
+            for e in range(c.n_experts):
+                for wn in ("w1", "w2", "w3"):
+                    key = p + "ffn.experts.%d.%s" % (e, wn)
+                    if key + ".weight" not in tensors:
+                        continue
+                    w = dequant(tensors, key, "fp4")
+                    if tuple(w.shape) == tuple(getattr(stage, wn)[e].shape):
+                        getattr(stage, wn)[e].copy_(w)
+                        copied.append(key)
+    return copied
+
 
 def update_router_bias(d, rate=1e-3):
     """Aux-loss-free balancing: each stage's selection bias moves by rate toward the mean
