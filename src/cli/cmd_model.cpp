@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "cli/manifest.h"
+#include "cli/dspark_option.h"
 #include "cli/registry.h"
 #include "runtime/engine.h"
 #include "runtime/generate.h"
@@ -84,16 +85,25 @@ void generate_usage() {
       "  --top-k K           top-k sampling (default 0: off)\n"
       "  --seed S            sampling seed (default 0)\n"
       "  --stop-eos          stop at the model's eos_id (not printed)\n"
+      "%s"
+      "  --stats             print DSpark's accepted drafts per cycle to stderr\n"
       "  --backend cpu|cuda  (default cpu)\n"
       "  --precision fp32|bf16  CUDA precision (default fp32)\n"
       "  --threads N         CPU threads\n"
       "  --manifest FILE     write a reproducibility manifest (dsx manifest verify FILE)\n"
-      "  -h, --help          this text\n");
+      "  -h, --help          this text\n",
+      kDSparkHelp);
 }
 
-int cmd_generate(int argc, char** argv) {
+int cmd_generate(int argc0, char** argv0) {
+  std::vector<char*> args;
+  const std::vector<std::string> value_opts =
+      with({"-m", "--ids", "-n", "--temperature", "--top-p", "--top-k", "--seed", "--manifest"}, kEngineOpts);
+  const DSparkChoice dspark = take_dspark(argc0, argv0, value_opts, args);
+  const int argc = static_cast<int>(args.size());
+  char** argv = args.data();
   Args a(argc, argv, with({"-m", "--ids", "-n", "--temperature", "--top-p", "--top-k", "--seed", "--manifest"}, kEngineOpts),
-         {"--greedy", "--stop-eos", "-h", "--help"});
+         {"--greedy", "--stop-eos", "--stats", "-h", "--help"});
   if (a.has("-h") || a.has("--help")) {
     generate_usage();
     return 0;
@@ -111,14 +121,19 @@ int cmd_generate(int argc, char** argv) {
   if (!a.has("--stop-eos")) go.stop_ids.clear();
   auto eng = load_engine(dir, engine_options(a));
   auto s = eng->new_session();
-  const GenerateResult r = generate(*s, ids, go);
+  const DSparkSetup ds = setup_dspark(dspark, dir, *eng);
+  PlainDecoding plain;
+  DecodingStrategy& strategy = ds.strategy ? static_cast<DecodingStrategy&>(*ds.strategy) : plain;
+  const GenerateResult r = generate(*s, ids, go, strategy);
+  if (a.has("--stats") && ds.strategy) std::fprintf(stderr, "%s\n", ds.strategy->stats().summary().c_str());
   std::string line;
   for (size_t i = 0; i < r.ids.size(); ++i) line += (i ? " " : "") + std::to_string(r.ids[i]);
   std::printf("%s\n", line.c_str());
   std::fflush(stdout);
   if (a.has("--manifest"))
     write_manifest(a.require("--manifest"), {.command = "generate", .model_dir = dir, .engine = eng.get(), .options = go,
-                                             .prompt_ids = ids, .result = r, .ids_file = a.require("--ids")});
+                                             .prompt_ids = ids, .result = r, .dspark = ds.name,
+                                             .ids_file = a.require("--ids")});
   return 0;
 }
 

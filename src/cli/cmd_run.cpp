@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cli/manifest.h"
+#include "cli/dspark_option.h"
 #include "cli/registry.h"
 #include "runtime/engine.h"
 #include "runtime/generate.h"
@@ -54,9 +55,12 @@ void usage() {
       "  --backend cpu|cuda  (default cpu)\n"
       "  --precision fp32|bf16  CUDA precision (default fp32)\n"
       "  --threads N         CPU threads\n"
+      "%s"
       "  --stats             print token counts, timings and the finish reason to stderr\n"
+      "                      (and DSpark's accepted drafts per cycle)\n"
       "  --manifest FILE     write a reproducibility manifest (dsx manifest verify FILE)\n"
-      "  -h, --help          this text\n");
+      "  -h, --help          this text\n",
+      kDSparkHelp);
 }
 
 // Args keeps one value per option: the repeatable --stop values are taken out of argv
@@ -82,7 +86,9 @@ std::vector<std::string> take_stops(int argc, char** argv, std::vector<char*>& r
 
 int cmd_run(int argc, char** argv) {
   std::vector<char*> rest;
-  const std::vector<std::string> stops = take_stops(argc, argv, rest);
+  std::vector<char*> args;
+  const DSparkChoice dspark = take_dspark(argc, argv, kValueOpts, args);
+  const std::vector<std::string> stops = take_stops(static_cast<int>(args.size()), args.data(), rest);
   Args a(static_cast<int>(rest.size()), rest.data(), kValueOpts, kFlagOpts);
   if (a.has("-h") || a.has("--help")) {
     usage();
@@ -141,7 +147,10 @@ int cmd_run(int argc, char** argv) {
     if (id >= cfg.vocab_size) fail("the tokenizer produced id ", id, " beyond the model's vocabulary (", cfg.vocab_size, ")");
   auto s = eng->new_session();
   text::StreamTokenText detok(tok);
-  const GenerateResult r = generate(*s, ids, go, &detok, [](std::string_view piece, const std::vector<int32_t>&) {
+  const DSparkSetup ds = setup_dspark(dspark, dir, *eng);
+  PlainDecoding plain;
+  DecodingStrategy& strategy = ds.strategy ? static_cast<DecodingStrategy&>(*ds.strategy) : plain;
+  const GenerateResult r = generate(*s, ids, go, strategy, &detok, [](std::string_view piece, const std::vector<int32_t>&) {
     std::fwrite(piece.data(), 1, piece.size(), stdout);
     std::fflush(stdout);
   });
@@ -149,7 +158,7 @@ int cmd_run(int argc, char** argv) {
   std::fflush(stdout);
   if (a.has("--manifest"))
     write_manifest(a.require("--manifest"), {.command = "run", .model_dir = dir, .engine = eng.get(), .options = go,
-                                             .prompt_ids = ids, .result = r, .prompt_text = prompt,
+                                             .prompt_ids = ids, .result = r, .dspark = ds.name, .prompt_text = prompt,
                                              .system = a.get("--system"), .thinking = a.get_or("--thinking", "off") == "on",
                                              .raw = a.has("--raw")});
   if (a.has("--stats")) {
@@ -161,6 +170,7 @@ int cmd_run(int argc, char** argv) {
                  "%.3f s decode (%.1f tok/s); finish: %s\n",
                  static_cast<long long>(r.prompt_tokens), static_cast<long long>(r.reused_tokens), r.prefill_seconds,
                  static_cast<long long>(r.generated_tokens), r.decode_seconds, tps, finish_reason_name(r.finish));
+    if (ds.strategy) std::fprintf(stderr, "%s\n", ds.strategy->stats().summary().c_str());
   }
   return 0;
 }

@@ -1,0 +1,93 @@
+// `--dspark off|on|static K` (dspark_option.h).
+#include "cli/dspark_option.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cstdio>
+
+#include "util/error.h"
+
+namespace dsx::cli {
+
+const char* const kDSparkHelp =
+    "  --dspark off|on|static K  speculative decoding with the model's DSpark draft stages\n"
+    "                      (output identical to plain decoding at temperature 0, the same\n"
+    "                      distribution when sampling): on chooses how many drafts to\n"
+    "                      verify per cycle from the drafter's confidences, static K always\n"
+    "                      verifies K (0 .. dspark_block_size); default on when the model\n"
+    "                      has stages and the backend is cpu (the drafter runs on the CPU)\n";
+
+namespace {
+bool is_number(const std::string& s) {
+  return !s.empty() && s.size() < 9 && std::all_of(s.begin(), s.end(), [](unsigned char c) { return std::isdigit(c) != 0; });
+}
+}  // namespace
+
+DSparkChoice parse_dspark(const std::string& v) {
+  DSparkChoice c;
+  if (v == "off") {
+    c.mode = DSparkChoice::Mode::Off;
+  } else if (v == "on") {
+    c.mode = DSparkChoice::Mode::On;
+  } else if (v.rfind("static", 0) == 0 && v.size() > 7 && (v[6] == ' ' || v[6] == '=' || v[6] == ':') &&
+             is_number(v.substr(7))) {
+    c.mode = DSparkChoice::Mode::Static;
+    c.k = std::stoi(v.substr(7));
+  } else {
+    fail("--dspark must be off, on or static K (got '", v, "')");
+  }
+  return c;
+}
+
+DSparkChoice take_dspark(int argc, char** argv, const std::vector<std::string>& value_opts, std::vector<char*>& rest) {
+  DSparkChoice c;
+  rest.assign(argv, argv + (argc > 0 ? 1 : 0));
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    std::string v;
+    if (a == "--dspark") {
+      if (i + 1 >= argc) fail("option --dspark needs a value (off, on or static K)");
+      v = argv[++i];
+      if (v == "static") {
+        if (i + 1 >= argc || !is_number(argv[i + 1])) fail("--dspark static needs the number of drafts K");
+        v += std::string(" ") + argv[++i];
+      }
+      c = parse_dspark(v);
+    } else if (a.rfind("--dspark=", 0) == 0) {
+      c = parse_dspark(a.substr(9));
+    } else {
+      rest.push_back(argv[i]);
+      if (std::find(value_opts.begin(), value_opts.end(), a) != value_opts.end() && i + 1 < argc) rest.push_back(argv[++i]);
+    }
+  }
+  return c;
+}
+
+DSparkSetup setup_dspark(const DSparkChoice& c, const std::string& dir, const Engine& eng) {
+  DSparkSetup s;
+  if (c.mode == DSparkChoice::Mode::Off) return s;
+  std::string why;
+  if (!dspark_available(dir, &why)) {
+    std::fprintf(stderr, "model has no DSpark stages: plain decoding\n");
+    return s;
+  }
+  if (c.mode == DSparkChoice::Mode::Default && eng.backend_name() != "cpu") {
+    std::fprintf(stderr, "DSpark: the drafter runs on the CPU only so far: plain decoding on %s (--dspark on to draft)\n",
+                 eng.backend_name().c_str());
+    return s;
+  }
+  s.drafter = DSparkDrafter::load(dir);
+  DSparkOptions o;
+  if (c.mode == DSparkChoice::Mode::Static) {
+    const int B = s.drafter->block_size();
+    if (c.k < 0 || c.k > B) fail("--dspark static K: K must be in 0 .. ", B, " (dspark_block_size), got ", c.k);
+    o.schedule.static_k = c.k;
+    s.name = cat("static ", c.k);
+  } else {
+    s.name = "on";
+  }
+  s.strategy = std::make_unique<DSparkDecoding>(*s.drafter, o);
+  return s;
+}
+
+}  // namespace dsx::cli

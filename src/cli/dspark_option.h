@@ -1,0 +1,46 @@
+// `--dspark off|on|static K` of `dsx run` and `dsx generate`: the option taken out of
+// argv (its two-word form does not fit Args), and the decoding strategy it resolves to
+// for a model directory and an engine (runtime/dspark_decoding.h).
+//
+// Default (no --dspark): on when the model has DSpark stages and the engine is the CPU
+// one (the drafter computes on the CPU; on CUDA a CPU drafter costs more than it saves
+// until the CUDA drafter exists: `--dspark on` forces it). A model without stages runs
+// plain decoding and says so once on stderr, unless --dspark off was given.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/dspark.h"
+#include "runtime/dspark_decoding.h"
+#include "runtime/engine.h"
+#include "runtime/generate.h"
+
+namespace dsx::cli {
+
+struct DSparkChoice {
+  enum class Mode { Default, Off, On, Static } mode = Mode::Default;
+  int k = 0;  // Static
+};
+
+// Parses "off", "on", "static K", "static=K", "static:K". Throws dsx::Error otherwise.
+DSparkChoice parse_dspark(const std::string& v);
+
+// Takes every --dspark VALUE / --dspark=VALUE out of argv[0..argc) (the value "static"
+// takes the number after it too), the last one wins; `rest` gets the other arguments
+// (argv[0] first). Values of the options in value_opts are skipped, as Args reads them.
+DSparkChoice take_dspark(int argc, char** argv, const std::vector<std::string>& value_opts, std::vector<char*>& rest);
+
+// The strategy generation runs with: DSpark (drafter and strategy set), or plain
+// (strategy null). `name` is the resolved mode: "off" | "on" | "static K".
+struct DSparkSetup {
+  std::unique_ptr<DSparkDrafter> drafter;
+  std::unique_ptr<DSparkDecoding> strategy;
+  std::string name = "off";
+};
+DSparkSetup setup_dspark(const DSparkChoice& c, const std::string& model_dir, const Engine& eng);
+
+// The --help lines of the option.
+extern const char* const kDSparkHelp;
+
+}  // namespace dsx::cli

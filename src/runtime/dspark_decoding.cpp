@@ -1,0 +1,380 @@
+// DSpark speculative decoding (dspark_decoding.h): the sampler's distribution, the
+// acceptance rule, the verify-length rule, the drafter's per-sequence context and the
+// strategy's prefill / next.
+#include "runtime/dspark_decoding.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+
+#include "util/error.h"
+
+namespace dsx {
+
+// ---- the sampler's distribution ----------------------------------------------------------
+namespace {
+void one_hot(double* p, int64_t V, int32_t id) {
+  std::fill(p, p + V, 0.0);
+  if (V > 0) p[id] = 1.0;
+}
+}  // namespace
+
+void sampling_distribution(const float* l, int64_t V, const SamplerOptions& o, double* p) {
+  if (V <= 0) return;
+  if (std::isnan(o.temperature) || std::isinf(o.temperature)) fail("temperature must be finite");
+  // (as Sampler::sample: below 1e-30 greedy)
+  if (o.temperature < 1e-30f) return one_hot(p, V, argmax(l, V));
+  if (!(o.top_p > 0.0f && o.top_p <= 1.0f)) fail("top_p must be in (0, 1]");
+  thread_local std::vector<float> w;
+  thread_local std::vector<int32_t> S, byid;
+  thread_local std::vector<float> wid;
+  w.resize(static_cast<size_t>(V));
+  const float mx = sample_weights(l, V, o.temperature, w.data());
+  if (!std::isfinite(mx)) return one_hot(p, V, argmax(l, V));
+  std::fill(p, p + V, 0.0);
+  if (o.top_k <= 0 && o.top_p >= 1.0f) {  // every candidate, no order needed
+    const double sum = weight_sum(w.data(), nullptr, V);
+    for (int64_t i = 0; i < V; ++i) p[i] = static_cast<double>(w[static_cast<size_t>(i)]) / sum;
+    return;
+  }
+  // S: the candidates by larger logit, then smaller id; C: its first top_k
+  S.clear();
+  for (int64_t i = 0; i < V; ++i)
+    if (w[static_cast<size_t>(i)] > 0.0f) S.push_back(static_cast<int32_t>(i));
+  auto before = [&](int32_t a, int32_t b) { return l[a] > l[b] || (l[a] == l[b] && a < b); };
+  if (o.top_k > 0 && o.top_k < static_cast<int>(S.size())) {
+    std::partial_sort(S.begin(), S.begin() + o.top_k, S.end(), before);
+    S.resize(static_cast<size_t>(o.top_k));
+  } else {
+    std::sort(S.begin(), S.end(), before);
+  }
+  // the sum over C in Sampler::sample's order (weight_sum by id)
+  byid = S;
+  std::sort(byid.begin(), byid.end());
+  wid.clear();
+  for (int32_t i : byid) wid.push_back(w[static_cast<size_t>(i)]);
+  const double sum = weight_sum(wid.data(), byid.data(), static_cast<int64_t>(byid.size()));
+  size_t keep = S.size();
+  if (o.top_p < 1.0f) {
+    double c = 0;
+    for (size_t i = 0; i < S.size(); ++i) {
+      c += static_cast<double>(w[static_cast<size_t>(S[i])]) / sum;
+      if (c >= o.top_p) {
+        keep = i + 1;
+        break;
+      }
+    }
+  }
+  double tot = sum;
+  if (keep < S.size()) {
+    tot = 0;
+    for (size_t i = 0; i < keep; ++i) tot += w[static_cast<size_t>(S[i])];
+  }
+  for (size_t i = 0; i < keep; ++i) p[S[i]] = static_cast<double>(w[static_cast<size_t>(S[i])]) / tot;
+}
+
+int32_t sample_from(const double* w, int64_t V, double u) {
+  double tot = 0;
+  for (int64_t i = 0; i < V; ++i) tot += w[i] > 0 ? w[i] : 0.0;
+  if (!(tot > 0)) return -1;
+  const double t = u * tot;
+  double c = 0;
+  int32_t last = -1;
+  for (int64_t i = 0; i < V; ++i) {
+    if (!(w[i] > 0)) continue;
+    c += w[i];
+    last = static_cast<int32_t>(i);
+    if (t < c) return last;
+  }
+  return last;
+}
+
+// ---- the acceptance rule ---------------------------------------------------------------------
+bool speculative_row(const double* p, const double* q, int32_t d, int64_t V, double u_accept, double u_draw,
+                     int32_t* token) {
+  DSX_CHECK(d >= 0 && d < V, "speculative_row: draft ", d, " outside the vocabulary (", V, ")");
+  const double qd = q ? q[d] : 1.0;
+  if (u_accept * qd < p[d]) return true;  // u < min(1, p(d) / q(d)), without dividing
+  thread_local std::vector<double> r;
+  r.resize(static_cast<size_t>(V));
+  if (q) {
+    for (int64_t x = 0; x < V; ++x) r[static_cast<size_t>(x)] = std::max(0.0, p[x] - q[x]);
+  } else {
+    std::copy(p, p + V, r.begin());
+    r[static_cast<size_t>(d)] = 0;
+  }
+  int32_t t = sample_from(r.data(), V, u_draw);
+  if (t < 0) t = sample_from(p, V, u_draw);  // (no residual mass: p itself, §8.3)
+  *token = t;
+  return false;
+}
+
+SpeculativeResult speculative_block(const double* p, const double* q, const int32_t* drafts, int k, int64_t V,
+                                    const double* u) {
+  SpeculativeResult r;
+  for (int i = 0; i < k; ++i) {
+    int32_t t = -1;
+    if (speculative_row(p + i * V, q ? q + i * V : nullptr, drafts[i], V, u[i], u[k], &t)) {
+      r.tokens.push_back(drafts[i]);
+      ++r.accepted;
+    } else {
+      r.tokens.push_back(t);
+      return r;
+    }
+  }
+  r.tokens.push_back(sample_from(p + static_cast<int64_t>(k) * V, V, u[k]));
+  return r;
+}
+
+// ---- choosing k --------------------------------------------------------------------------------
+double DSparkSchedule::cost(int rows) const {
+  const int m = static_cast<int>(verify_cost.size());
+  if (m == 0) return rows;
+  if (rows <= m) return verify_cost[static_cast<size_t>(std::max(rows, 1) - 1)];
+  const double step = m >= 2 ? verify_cost[static_cast<size_t>(m - 1)] - verify_cost[static_cast<size_t>(m - 2)] : 1.0;
+  return verify_cost[static_cast<size_t>(m - 1)] + step * (rows - m);
+}
+
+int choose_k(const DSparkSchedule& s, const float* conf, int n, int max_k, std::vector<double>* survival) {
+  max_k = std::clamp(max_k, 0, std::max(n, 0));
+  std::vector<double> A(static_cast<size_t>(std::max(n, 0)));
+  double a = 1;
+  for (int i = 0; i < n; ++i) A[static_cast<size_t>(i)] = a *= dspark_confidence(conf[i]);
+  if (survival) *survival = A;
+  if (s.static_k >= 0) return std::min(s.static_k, max_k);
+  int k = 0;
+  double tokens = 1, best = 1.0 / (s.draft_cost + s.cost(1));
+  for (int i = 1; i <= max_k; ++i) {
+    if (dspark_confidence(conf[i - 1]) < s.threshold) break;
+    tokens += A[static_cast<size_t>(i - 1)];
+    const double rate = tokens / (s.draft_cost + s.cost(1 + i));
+    if (!(rate > best)) break;
+    best = rate;
+    k = i;
+  }
+  return k;
+}
+
+// ---- the context ---------------------------------------------------------------------------------
+DSparkContext::DSparkContext(const DSparkDrafter& d, int rollback_depth) : d_(&d), st_(d.new_state(rollback_depth)) {}
+
+int64_t DSparkContext::keep_common_prefix(const int32_t* ids, int64_t n) {
+  int64_t c = 0;
+  const int64_t lim = std::min(end(), n);
+  while (c < lim && tokens_[static_cast<size_t>(c)] == ids[c]) ++c;
+  truncate(c);
+  return c;
+}
+
+void DSparkContext::truncate(int64_t p) {
+  p = std::max<int64_t>(p, 0);
+  if (p >= end()) return;
+  tokens_.resize(static_cast<size_t>(p));
+  st_.truncate(p);
+}
+
+void DSparkContext::observe(const int32_t* ids, const float* taps, int64_t T) {
+  if (T <= 0) return;
+  d_->observe(st_, taps, T, end());
+  tokens_.insert(tokens_.end(), ids, ids + T);
+}
+
+void DSparkContext::skip(const int32_t* ids, int64_t T) {
+  if (T <= 0) return;
+  tokens_.insert(tokens_.end(), ids, ids + T);
+  d_->observe(st_, nullptr, 0, end());  // (positions before end() not observed: holes)
+}
+
+// ---- stats --------------------------------------------------------------------------------------
+std::string DSparkStats::summary() const {
+  char b[400];
+  std::snprintf(b, sizeof b,
+                "dspark: %lld cycles, %.3f accepted drafts per cycle (%.3f tokens per cycle), %lld of %lld verified "
+                "drafts accepted (%.1f%%), %lld verify rows; draft %.3f s, verify %.3f s",
+                static_cast<long long>(cycles), accepted_per_cycle(), tokens_per_cycle(),
+                static_cast<long long>(accepted), static_cast<long long>(verified), 100.0 * acceptance(),
+                static_cast<long long>(verify_rows), draft_seconds, verify_seconds);
+  std::string s = b;
+  if (!accepted_hist.empty()) {
+    s += "; cycles by accepted drafts:";
+    for (size_t j = 0; j < accepted_hist.size(); ++j) s += cat(" ", j, ":", accepted_hist[j]);
+  }
+  return s;
+}
+
+// ---- the strategy ----------------------------------------------------------------------------------
+namespace {
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+}  // namespace
+
+DSparkDecoding::DSparkDecoding(const DSparkDrafter& drafter, DSparkOptions o, DSparkContext* ctx)
+    : d_(drafter), o_(std::move(o)) {
+  set_context(ctx);
+  reset_stats();
+}
+
+void DSparkDecoding::set_context(DSparkContext* ctx) {
+  if (ctx) {
+    ctx_ = ctx;
+    return;
+  }
+  if (!own_) own_ = std::make_unique<DSparkContext>(d_);
+  ctx_ = own_.get();
+}
+
+void DSparkDecoding::reset_stats() {
+  stats_ = DSparkStats{};
+  stats_.accepted_hist.assign(static_cast<size_t>(d_.block_size() + 1), 0);
+}
+
+void DSparkDecoding::start(const SamplerOptions& sampling) {
+  sampling_ = sampling;
+  rng_.seed(sampling.seed);
+}
+
+SyncResult DSparkDecoding::prefill(Session& s, const int32_t* ids, int64_t n) {
+  DSX_CHECK(s.engine().tap_width() == d_.tap_width(), "DSpark: the engine's taps are ", s.engine().tap_width(),
+            " wide, the drafter's ", d_.tap_width(), " (another model?)");
+  ctx_->keep_common_prefix(ids, n);
+  if (n <= 0) {
+    if (s.position() > 0) s.rollback(0);
+    return SyncResult{};
+  }
+  // the session: its prefix shared with ids, or up to the last W rows, without taps
+  const std::vector<int32_t>& have = s.tokens();
+  int64_t cs = 0;
+  const int64_t lim = std::min<int64_t>(static_cast<int64_t>(have.size()), n);
+  while (cs < lim && have[static_cast<size_t>(cs)] == ids[cs]) ++cs;
+  const int64_t a = std::max<int64_t>(cs, std::max<int64_t>(0, n - d_.config().window));
+  SyncResult r;
+  if (a > 0) {
+    r = s.sync(ids, a);
+  } else if (s.position() > 0) {
+    s.rollback(0);
+  }
+  DSX_CHECK(s.position() == a, "DSpark prefill: the session is at ", s.position(), " after a sync to ", a);
+  // the context: what it holds of positions < a stays; positions it lacks are holes
+  ctx_->truncate(a);
+  ctx_->skip(ids + ctx_->end(), a - ctx_->end());
+  // the last rows with taps, in chunks
+  const int64_t TW = d_.tap_width(), chunk = std::max<int64_t>(o_.prefill_chunk, 1);
+  for (int64_t q = a; q < n;) {
+    const int64_t m = std::min(chunk, n - q);
+    taps_.resize(static_cast<size_t>(m * TW));
+    Step st;
+    st.feeds.push_back(Feed{&s, ids + q, m, nullptr, taps_.data(), nullptr, nullptr});
+    s.engine().step(st);
+    ctx_->observe(ids + q, taps_.data(), m);
+    q += m;
+  }
+  r.prefilled = n - r.reused;
+  return r;
+}
+
+void DSparkDecoding::align(Session& s) {
+  const int64_t n = s.position();
+  const std::vector<int32_t>& t = s.tokens();
+  if (ctx_->end() == n && (n == 0 || ctx_->tokens().back() == t.back())) return;
+  ctx_->keep_common_prefix(t.data(), n);
+  ctx_->skip(t.data() + ctx_->end(), n - ctx_->end());
+}
+
+void DSparkDecoding::next(Session& s, int32_t anchor, int64_t limit, std::vector<int32_t>& out) {
+  align(s);
+  Engine& eng = s.engine();
+  const int64_t n = s.position(), V = d_.vocab_size(), TW = d_.tap_width();
+  const int B = d_.block_size();
+  const bool sampling = !(sampling_.temperature <= 0.0f);  // (as Sampler::feed_and_pick: NaN samples, and fails)
+  const int kmax = static_cast<int>(
+      std::min<int64_t>({B, limit - 1, std::max(eng.options().rollback_depth, 0)}));
+
+  // draft
+  rows_.assign(1, anchor);
+  int k = 0;
+  bool point = true;  // q a point mass on each draft (deterministic drafts)
+  if (kmax >= 1 && n >= 2) {
+    const Clock::time_point t0 = Clock::now();
+    const DSparkBlock blk = d_.block(ctx_->state(), anchor, n);
+    DSparkDraft dr;
+    int rows = B;
+    if (sampling && o_.sampled_drafts && !o_.draft_hook) {
+      // the Markov walk with sampled drafts: row j's q_j from prev_j = d_j (§5.6)
+      point = false;
+      rows = kmax;
+      std::vector<int32_t> prev(static_cast<size_t>(B), anchor);
+      dr.tokens.assign(static_cast<size_t>(B), anchor);
+      dr.confidence_logits.assign(static_cast<size_t>(B), 0.0f);
+      q_.resize(static_cast<size_t>(kmax * V));
+      std::uniform_real_distribution<double> U(0.0, 1.0);
+      for (int j = 0; j < kmax; ++j) {
+        const DSparkDraft f = d_.forced(blk, prev.data());
+        double* qj = q_.data() + j * V;
+        sampling_distribution(f.markov_logits.data() + j * V, V, sampling_, qj);
+        const int32_t t = sample_from(qj, V, U(rng_));
+        dr.tokens[static_cast<size_t>(j)] = t;
+        dr.confidence_logits[static_cast<size_t>(j)] = f.confidence_logits[static_cast<size_t>(j)];
+        if (j + 1 < B) prev[static_cast<size_t>(j + 1)] = t;
+      }
+    } else {
+      dr = d_.greedy(blk);
+      if (o_.draft_hook) o_.draft_hook(n, dr);
+      DSX_CHECK(static_cast<int>(dr.tokens.size()) >= kmax && static_cast<int>(dr.confidence_logits.size()) >= kmax,
+                "DSpark: the draft hook left fewer than ", kmax, " drafts");
+    }
+    k = choose_k(o_.schedule, dr.confidence_logits.data(), rows, kmax);
+    for (int i = 0; i < k; ++i) rows_.push_back(dr.tokens[static_cast<size_t>(i)]);
+    ++stats_.drafted;
+    stats_.draft_seconds += since(t0);
+  }
+
+  // verify: 1 + k rows in one step, with the taps of every row
+  const Clock::time_point t1 = Clock::now();
+  const int64_t R = 1 + k;
+  taps_.resize(static_cast<size_t>(R * TW));
+  Step st;
+  Feed f{&s, rows_.data(), R, nullptr, taps_.data(), nullptr, nullptr};
+  if (sampling) {
+    logits_.resize(static_cast<size_t>(R * V));
+    f.logits = logits_.data();
+    st.all_rows = true;
+  } else {
+    picks_.resize(static_cast<size_t>(R));
+    f.picks = picks_.data();
+  }
+  st.feeds.push_back(f);
+  eng.step(st);
+
+  // accept
+  int j = 0;
+  int32_t y = -1;
+  if (!sampling) {
+    while (j < k && rows_[static_cast<size_t>(j + 1)] == picks_[static_cast<size_t>(j)]) ++j;
+    y = picks_[static_cast<size_t>(j)];
+  } else {
+    p_.resize(static_cast<size_t>(R * V));
+    for (int64_t r = 0; r < R; ++r) sampling_distribution(logits_.data() + r * V, V, sampling_, p_.data() + r * V);
+    std::vector<double> u(static_cast<size_t>(k + 1));
+    std::uniform_real_distribution<double> U(0.0, 1.0);
+    for (double& x : u) x = U(rng_);
+    const SpeculativeResult sr = speculative_block(p_.data(), point ? nullptr : q_.data(), rows_.data() + 1, k, V, u.data());
+    j = sr.accepted;
+    y = sr.tokens.back();
+  }
+
+  // commit: the session to the anchor and the accepted drafts, their taps to the rings
+  if (j < k) s.rollback(n + j + 1);
+  ctx_->observe(rows_.data(), taps_.data(), j + 1);
+  for (int i = 1; i <= j; ++i) out.push_back(rows_[static_cast<size_t>(i)]);
+  out.push_back(y);
+  stats_.verify_seconds += since(t1);
+  ++stats_.cycles;
+  stats_.verified += k;
+  stats_.accepted += j;
+  stats_.verify_rows += R;
+  stats_.tokens += j + 1;
+  if (static_cast<size_t>(j) < stats_.accepted_hist.size()) ++stats_.accepted_hist[static_cast<size_t>(j)];
+}
+
+}  // namespace dsx

@@ -1,0 +1,215 @@
+// DSpark speculative decoding (spec ../shared/spec/dspark.md §6 - §10) as a
+// DecodingStrategy (runtime/generate.h): each next() drafts a block at the anchor with
+// the model's own draft stages (model/dspark.h), chooses how many drafts to verify (k),
+// verifies the anchor and k drafts in ONE Engine::step (1 + k rows, the taps of every
+// row come back with it), accepts a prefix of j drafts plus the correction / bonus
+// token, rolls the session back over the rejected rows and writes the taps of the
+// committed rows (anchor, d_1 .. d_j) into the drafter's rings.
+//
+// Lossless:
+//   - temperature 0: a draft is accepted iff it equals the target's greedy pick of the
+//     row before it (§8.2); the output is the target's greedy chain whatever was drafted
+//     (the engine's verify rows compute what one-row steps compute: engine.h).
+//   - temperature > 0: exact speculative sampling (§8.3): draft d ~ q is accepted with
+//     probability min(1, p(d) / q(d)); on the first rejection the token is drawn from
+//     normalise(max(0, p - q)) (p itself when that has no mass); after k acceptances the
+//     bonus is drawn from the last row's p. p is exactly plain sampling's distribution
+//     (sampling_distribution: Sampler::sample's temperature, top-k and top-p), q the
+//     same transform of the drafter's Markov logits (§8.5). With deterministic drafts
+//     (DSparkOptions::sampled_drafts false, or a draft hook) q is a point mass (§8.4):
+//     accept with probability p(d), else draw from p without d.
+//   - k depends only on what is known before each draft is drawn (§6.1): the schedule
+//     scans the confidences c_1, c_2, .. (c_i is computed from the drafts before d_i)
+//     and stops at the first one that fails; a static K ignores them.
+// Randomness (§8.6), one std::mt19937_64 seeded by SamplerOptions::seed at start(), in
+// this order per cycle: with sampled drafts one uniform per drafted row (rows 0 .. kmax
+// - 1), then k acceptance uniforms, then one for the correction / bonus. Outputs equal
+// plain sampling in distribution, not sample for sample.
+//
+// The drafter's state lives in a DSparkContext (the rings and the token ids of the
+// positions they stand for), which a server keeps next to its Session across requests.
+// prefill() keeps the longest prefix the context and the new prompt share; positions the
+// session reuses but the context has no taps of (a prefix restored from a checkpoint,
+// a snapshot or another strategy's run) are holes in the rings: still lossless (the
+// drafts are only proposals), only acceptance drops until the window (W positions)
+// refills. prefill() never asks taps for a whole prompt: it syncs the session to the
+// prompt without its last W rows, then feeds those with taps, in chunks.
+//
+// Thread safety: as the engine (one thread at a time).
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "model/dspark.h"
+#include "runtime/engine.h"
+#include "runtime/generate.h"
+#include "runtime/sampler.h"
+
+namespace dsx {
+
+// ---- the sampler's distribution and the acceptance rule (pure functions) ----------------
+
+// Plain sampling's distribution over ids 0 .. V-1 (Sampler::sample's, sampler.h): the
+// weights of sample_weights() at temperature T, top_k (the first top_k by larger logit,
+// then smaller id), top_p (the shortest such prefix reaching top_p of the mass), each id
+// kept with weight / (the kept weights' sum). Temperature <= 1e-30, or a row without a
+// finite maximum: one-hot on argmax (as Sampler::sample). p gets V values summing to 1.
+// Throws dsx::Error on a non-finite temperature or top_p outside (0, 1].
+void sampling_distribution(const float* logits, int64_t V, const SamplerOptions& o, double* p);
+
+// The id whose cumulative mass (in id order) first exceeds u * sum(w) (u in [0, 1); w
+// non-negative; the last id of positive weight if rounding leaves none). -1 when w has
+// no positive weight.
+int32_t sample_from(const double* w, int64_t V, double u);
+
+// One verify row at temperature > 0 (§8.3 / §8.4): target distribution p, draft
+// distribution q (null: a point mass on d), draft d, two uniforms in [0, 1). Returns
+// true (d accepted) when u_accept * q(d) < p(d) (q(d) = 1 for a point mass); else false
+// with *token drawn by u_draw from normalise(max(0, p - q)) (for a point mass: p
+// without d), or from p when that has no mass (§8.3).
+bool speculative_row(const double* p, const double* q, int32_t d, int64_t V, double u_accept, double u_draw,
+                     int32_t* token);
+
+// A whole block (§8.3 steps 1-3): p has k + 1 rows [k + 1, V] (row r: the target's
+// distribution of the token after the anchor and d_1 .. d_r), q k rows [k, V] (null:
+// point masses), drafts d_1 .. d_k, u k + 1 uniforms (u[r] decides d_{r+1}, u[k] draws
+// the correction or the bonus). The tokens emitted: d_1 .. d_j and the correction /
+// bonus; accepted = j.
+struct SpeculativeResult {
+  int accepted = 0;
+  std::vector<int32_t> tokens;
+};
+SpeculativeResult speculative_block(const double* p, const double* q, const int32_t* drafts, int k, int64_t V,
+                                    const double* u);
+
+// ---- choosing k (§6) ------------------------------------------------------------------
+
+// The verify length rule. Inputs: the confidence logits of the block's rows (row i - 1's
+// sigmoid c_i estimates P(d_i accepted | d_1 .. d_{i-1} accepted), computed from the
+// drafts before d_i only), the survivals A_i = c_1 .. c_i, and a cost table.
+//   static_k >= 0: k = static_k (the --dspark static K), confidences ignored.
+//   else, scanning i = 1, 2, .. and stopping at the first failure (non-anticipating):
+//     (a) the prefix threshold (§6.2 rule 2): c_i >= threshold;
+//     (b) the cost rule (§6.2 rule 4): the expected tokens per unit of time
+//         (1 + A_1 + .. + A_i) / (draft_cost + C(1 + i)) must exceed that of i - 1;
+//         C(N) = verify_cost[N - 1], the time of a verify step of N rows in units of one
+//         plain step (verify_cost[0] = 1), draft_cost the drafter pass in the same units.
+//   k is at most max_k.
+// The default table is a placeholder for the H200 (one weight stream for all rows: a
+// verify of 6 rows at 1.3 plain steps, the target) until bench measures it.
+struct DSparkSchedule {
+  int static_k = -1;
+  float threshold = 0.0f;
+  double draft_cost = 0.15;
+  std::vector<double> verify_cost = {1.0, 1.06, 1.12, 1.18, 1.24, 1.30};  // N = 1 .. 6 rows
+  // C(N); beyond the table: extrapolated with its last step.
+  double cost(int rows) const;
+};
+
+// k for one block: conf_logits [n] (n = block rows drafted), at most max_k (<= n).
+// survival (optional) gets A_1 .. A_n.
+int choose_k(const DSparkSchedule& s, const float* conf_logits, int n, int max_k,
+             std::vector<double>* survival = nullptr);
+
+// ---- the drafter's state of one sequence ----------------------------------------------
+
+// The drafter's rings (model/dspark.h DSparkState) and the token ids of the positions
+// 0 .. end() - 1 they stand for (observed rows, or holes: positions committed without
+// taps). Keep one next to each Session a server reuses across requests; it is valid as
+// long as its tokens() are a prefix of the session's (prefill and next check).
+class DSparkContext {
+ public:
+  // rollback_depth: how far truncate() can go back keeping the window whole (the ring
+  // capacity is W + rollback_depth).
+  explicit DSparkContext(const DSparkDrafter& d, int rollback_depth = 16);
+  const DSparkState& state() const { return st_; }
+  const std::vector<int32_t>& tokens() const { return tokens_; }
+  int64_t end() const { return static_cast<int64_t>(tokens_.size()); }
+  // Keeps positions below the common prefix of tokens() and ids[0..n), forgets the rest;
+  // returns what it kept.
+  int64_t keep_common_prefix(const int32_t* ids, int64_t n);
+  void truncate(int64_t p);  // forgets positions >= p
+  void reset() { truncate(0); }
+  // Appends positions end() .. end() + T - 1: ids and their taps [T, tap_width]
+  // (observe), or no taps (skip: holes).
+  void observe(const int32_t* ids, const float* taps, int64_t T);
+  void skip(const int32_t* ids, int64_t T);
+  // Ring rows an anchor at end() sees (W of them when there is no hole).
+  int64_t context_rows() const { return st_.context_rows(end()); }
+  int64_t bytes() const { return st_.bytes() + static_cast<int64_t>(tokens_.capacity()) * 4; }
+
+ private:
+  const DSparkDrafter* d_;
+  DSparkState st_;
+  std::vector<int32_t> tokens_;
+};
+
+// ---- the strategy ----------------------------------------------------------------------
+
+struct DSparkOptions {
+  DSparkSchedule schedule;
+  // At temperature > 0: drafts sampled from q (the Markov walk feeds each sampled draft
+  // to the next row) or the Markov argmax (q a point mass, §8.4). Temperature 0 drafts
+  // greedily.
+  bool sampled_drafts = true;
+  // Rows per Engine::step when prefill feeds the prompt's last rows with taps.
+  int64_t prefill_chunk = 64;
+  // Tests (§13.1 draft override): called with the anchor position and the draft before k
+  // is chosen; may replace tokens and confidence_logits. Drafts are then deterministic:
+  // at temperature > 0 q is a point mass on them (lossless for any hook).
+  std::function<void(int64_t n, DSparkDraft& d)> draft_hook;
+};
+
+struct DSparkStats {
+  int64_t cycles = 0;          // next() calls
+  int64_t drafted = 0;         // cycles that ran the drafter
+  int64_t verified = 0;        // drafts sent to verification (sum of k)
+  int64_t accepted = 0;        // drafts accepted (sum of j)
+  int64_t verify_rows = 0;     // target rows next() fed (sum of 1 + k)
+  int64_t tokens = 0;          // tokens next() returned (sum of j + 1)
+  std::vector<int64_t> accepted_hist;  // cycles by j (0 .. block size)
+  double draft_seconds = 0, verify_seconds = 0;
+  double accepted_per_cycle() const { return cycles ? static_cast<double>(accepted) / cycles : 0.0; }
+  double tokens_per_cycle() const { return cycles ? static_cast<double>(tokens) / cycles : 0.0; }
+  double acceptance() const { return verified ? static_cast<double>(accepted) / verified : 0.0; }
+  std::string summary() const;  // one line for --stats
+};
+
+class DSparkDecoding final : public DecodingStrategy {
+ public:
+  // The drafter (and the context, when given) must outlive the strategy. Without a
+  // context the strategy keeps its own (one sequence's).
+  explicit DSparkDecoding(const DSparkDrafter& drafter, DSparkOptions o = {}, DSparkContext* ctx = nullptr);
+  void start(const SamplerOptions& sampling) override;
+  SyncResult prefill(Session& s, const int32_t* ids, int64_t n) override;
+  void next(Session& s, int32_t anchor, int64_t limit, std::vector<int32_t>& out) override;
+
+  // The context the next calls use (a server's per-session one); null: the own one.
+  void set_context(DSparkContext* ctx);
+  DSparkContext& context() { return *ctx_; }
+  const DSparkOptions& options() const { return o_; }
+  DSparkOptions& options() { return o_; }
+  // Accumulated over calls (start() does not clear them).
+  const DSparkStats& stats() const { return stats_; }
+  void reset_stats();
+
+ private:
+  void align(Session& s);  // the context to s.tokens()
+  const DSparkDrafter& d_;
+  DSparkOptions o_;
+  std::unique_ptr<DSparkContext> own_;
+  DSparkContext* ctx_ = nullptr;
+  SamplerOptions sampling_;
+  std::mt19937_64 rng_;
+  DSparkStats stats_;
+  // working buffers
+  std::vector<int32_t> rows_, picks_;
+  std::vector<float> logits_, taps_;
+  std::vector<double> p_, q_;
+};
+
+}  // namespace dsx
