@@ -4,9 +4,12 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <memory>
 #include <string>
 #include <thread>
 
+#include "cache/disk_cache.h"
 #include "cli/registry.h"
 #include "runtime/engine.h"
 #include "server/http.h"
@@ -21,12 +24,57 @@ namespace {
 std::atomic<bool> g_stop{false};
 extern "C" void on_signal(int) { g_stop.store(true); }
 
+void usage() {
+  std::printf(
+      "usage: dsx serve -m MODEL_DIR [options]\n"
+      "Serves the model over HTTP: OpenAI /v1/chat/completions and /v1/responses, Anthropic /v1/messages\n"
+      "(configs for Claude Code, Codex and opencode: README \"Serving\"), /health, /metrics.\n"
+      "  -m DIR                 the model directory\n"
+      "  --host ADDR            listen address (127.0.0.1)\n"
+      "  --port N               port (8080; 0: any free one)\n"
+      "  --api-key KEY          require this key (x-api-key or Authorization: Bearer)\n"
+      "  --ctx N                context tokens per session (65536)\n"
+      "  --sessions N           resident sessions, requests running at once (4)\n"
+      "  --backend cpu|cuda     (cpu)\n"
+      "  --precision fp32|bf16  (fp32)\n"
+      "  --threads N            CPU threads\n"
+      "  --model-id ID          the id /v1/models reports (deepseek-v4.1-flash)\n"
+      "  --effort E             default reasoning effort\n"
+      "  --thinking auto|on|off whether requests think (auto: as each request asks)\n"
+      "  --max-output N         at most N generated tokens per request\n"
+      "  --max-body BYTES       largest request body (8 MiB)\n"
+      "  --keepalive SECONDS    keep-alive interval while a prompt waits or prefills (5)\n"
+      "  --kv-cache DIR         the on-disk KV cache: sessions survive restarts and eviction from memory\n"
+      "                         (default $XDG_CACHE_HOME/dsx/kv, else ~/.cache/dsx/kv; docs/kv-cache.md)\n"
+      "  --kv-cache-size BYTES  its byte budget, e.g. 8G, 512M (8G); least recently used entries go first\n"
+      "  --no-kv-cache          no disk cache\n"
+      "  --quiet                no request log lines\n"
+      "  -h, --help             this text\n");
+}
+
+// $XDG_CACHE_HOME/dsx/kv, else $HOME/.cache/dsx/kv; empty when neither is set.
+std::string default_kv_dir() {
+  const char* x = std::getenv("XDG_CACHE_HOME");
+  if (x && *x == '/') return std::string(x) + "/dsx/kv";
+  const char* h = std::getenv("HOME");
+  if (h && *h) return std::string(h) + "/.cache/dsx/kv";
+  return "";
+}
+
 int cmd_serve(int argc, char** argv) {
   Args a(argc, argv,
          {"-m", "--host", "--port", "--api-key", "--ctx", "--sessions", "--backend", "--precision", "--threads",
-          "--model-id", "--effort", "--max-body", "--keepalive", "--thinking", "--max-output"},
-         {"--quiet"});
+          "--model-id", "--effort", "--max-body", "--keepalive", "--thinking", "--max-output", "--kv-cache",
+          "--kv-cache-size"},
+         {"--quiet", "--no-kv-cache", "-h", "--help"});
+  if (a.has("-h") || a.has("--help")) {
+    usage();
+    return 0;
+  }
   const std::string dir = a.require("-m");
+  if (a.has("--no-kv-cache") && (a.has("--kv-cache") || a.has("--kv-cache-size")))
+    fail("--no-kv-cache contradicts --kv-cache / --kv-cache-size");
+  const int64_t kv_budget = parse_byte_size(a.get_or("--kv-cache-size", "8G"));
   server::ServeOptions so;
   so.host = a.get_or("--host", "127.0.0.1");
   so.port = static_cast<int>(a.get_int("--port", 8080));
@@ -61,6 +109,31 @@ int cmd_serve(int argc, char** argv) {
   std::fprintf(stderr, "dsx serve: %s loaded in %.1f s; %d sessions of %lld tokens\n", eng->describe().c_str(),
                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
                so.scheduler.max_sessions, (long long)o.max_context);
+  // the disk KV cache (before the server: it outlives the scheduler, which saves the
+  // resident sessions into it when it stops)
+  std::unique_ptr<DiskCache> cache;
+  if (!a.has("--no-kv-cache")) {
+    const bool chosen = a.has("--kv-cache");
+    const std::string kv_dir = chosen ? a.require("--kv-cache") : default_kv_dir();
+    if (kv_dir.empty()) {
+      std::fprintf(stderr, "dsx serve: no disk KV cache (neither XDG_CACHE_HOME nor HOME is set; --kv-cache DIR)\n");
+    } else {
+      try {
+        cache = DiskCache::open(kv_dir, kv_budget, eng->state_identity());
+        so.scheduler.secret = server::persistent_secret(kv_dir);
+        const DiskCacheStats st = cache->stats();
+        std::fprintf(stderr, "dsx serve: kv cache %s: %lld entries, %.1f of %.1f GB%s\n", kv_dir.c_str(),
+                     (long long)st.entries, st.bytes / 1e9, kv_budget / 1e9,
+                     st.refused ? cat("; ", st.refused, " files refused (above)").c_str() : "");
+      } catch (const Error& e) {
+        // an explicit directory must work; the default one may be another server's
+        if (chosen) throw;
+        std::fprintf(stderr, "dsx serve: no disk KV cache: %s (--kv-cache DIR or --no-kv-cache)\n", e.what());
+        cache.reset();
+      }
+    }
+  }
+  so.scheduler.cache = cache.get();
   server::HttpServer srv(*eng, tok, so);
   if (!srv.bind()) fail("cannot listen on ", so.host, ":", so.port, " (in use, or not an address of this machine)");
   std::fprintf(stderr, "dsx serve: listening on http://%s:%d (OpenAI /v1/chat/completions, /v1/responses; "
@@ -76,7 +149,7 @@ int cmd_serve(int argc, char** argv) {
   srv.listen_after_bind();
   g_stop.store(true);
   watcher.join();
-  std::fprintf(stderr, "dsx serve: stopped\n");
+  std::fprintf(stderr, "dsx serve: stopped%s\n", cache ? " (resident sessions saved to the kv cache)" : "");
   return 0;
 }
 

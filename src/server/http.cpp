@@ -30,7 +30,8 @@ bool is_anthropic_path(const std::string& p) { return p.rfind("/v1/messages", 0)
 HttpServer::HttpServer(Engine& eng, const text::Tokenizer& tok, ServeOptions o)
     : eng_(eng), tok_(tok), o_(std::move(o)) {
   ctx_.replay = &replay_;
-  ctx_.secret = new_secret();
+  // (kept with the disk cache: a restarted server recognises the reasoning it handed out)
+  ctx_.secret = o_.scheduler.secret.empty() ? new_secret() : o_.scheduler.secret;
   ctx_.model_id = o_.model_id;
   ctx_.context_tokens = eng_.options().max_context;
   sched_ = std::make_unique<Scheduler>(eng_, tok_, o_.scheduler);
@@ -97,6 +98,53 @@ std::string HttpServer::metrics_text() const {
   line("dsx_sessions", "gauge", "resident sessions", static_cast<double>(s.sessions));
   line("dsx_session_state_bytes", "gauge", "bytes of session state held", static_cast<double>(f.used_bytes));
   line("dsx_session_state_budget_bytes", "gauge", "session state budget", static_cast<double>(f.budget_bytes));
+  if (DiskCache* c = o_.scheduler.cache) {
+    const DiskCacheStats k = c->stats();
+    auto d = [](int64_t v) { return static_cast<double>(v); };
+    line("dsx_kv_cache_entries", "gauge", "entries in the disk KV cache", d(k.entries));
+    line("dsx_kv_cache_bytes", "gauge", "bytes of the disk KV cache's entries", d(k.bytes));
+    line("dsx_kv_cache_budget_bytes", "gauge", "the disk KV cache's byte budget (0: none)", d(k.budget_bytes));
+    line("dsx_kv_cache_hits_total", "counter", "disk lookups that found a stored prefix", d(k.hits));
+    line("dsx_kv_cache_misses_total", "counter", "disk lookups that found none", d(k.misses));
+    line("dsx_kv_cache_restores_total", "counter", "sessions restored from disk", d(k.restores));
+    line("dsx_kv_cache_restore_failures_total", "counter", "restores refused (bad file, too large)",
+         d(k.restore_failures));
+    line("dsx_kv_cache_restored_bytes_total", "counter", "bytes read by restores", d(k.restored_bytes));
+    line("dsx_kv_cache_restore_seconds_total", "counter", "time spent restoring", k.restore_seconds);
+    line("dsx_kv_cache_restored_tokens_total", "counter", "prompt tokens served by disk restores",
+         d(s.kv_restored_tokens));
+    line("dsx_kv_cache_saves_total", "counter", "entries written", d(k.saves));
+    char buf[160];
+    const std::pair<const char*, int64_t> reasons[] = {{"cold", s.kv_saves_cold},
+                                                       {"continued", s.kv_saves_continued},
+                                                       {"evict", s.kv_saves_evict},
+                                                       {"shutdown", s.kv_saves_shutdown}};
+    m += "# HELP dsx_kv_cache_saves_by_reason_total session states handed to the disk cache, by reason\n"
+         "# TYPE dsx_kv_cache_saves_by_reason_total counter\n";
+    for (const auto& [r, v] : reasons) {
+      std::snprintf(buf, sizeof buf, "dsx_kv_cache_saves_by_reason_total{reason=\"%s\"} %lld\n", r,
+                    static_cast<long long>(v));
+      m += buf;
+    }
+    line("dsx_kv_cache_saves_existing_total", "counter", "saves of a state already stored (not rewritten)",
+         d(k.save_existing));
+    line("dsx_kv_cache_saves_too_large_total", "counter", "saves skipped: larger than the budget allows",
+         d(k.save_too_large));
+    line("dsx_kv_cache_saves_dropped_total", "counter", "saves skipped: the writer's queue was full",
+         d(s.kv_saves_dropped));
+    line("dsx_kv_cache_written_bytes_total", "counter", "bytes written by saves", d(k.written_bytes));
+    line("dsx_kv_cache_save_seconds_total", "counter", "time spent writing entries (background)", k.save_seconds);
+    line("dsx_kv_cache_snapshot_seconds_total", "counter", "time spent serializing states on the engine thread",
+         s.kv_snapshot_seconds);
+    line("dsx_kv_cache_evictions_total", "counter", "entries evicted to keep the budget", d(k.evictions));
+    line("dsx_kv_cache_evicted_bytes_total", "counter", "bytes evicted", d(k.evicted_bytes));
+    line("dsx_kv_cache_refused_files_total", "counter", "files refused (corrupt, truncated, old, another model)",
+         d(k.refused));
+    line("dsx_kv_cache_foreign_files", "gauge", "files of another model or layout (kept, not loaded)",
+         d(k.foreign_files));
+    line("dsx_kv_cache_write_errors_total", "counter", "background writes that failed", d(k.write_errors));
+    line("dsx_kv_cache_pending_writes", "gauge", "entries waiting for the background writer", d(k.pending));
+  }
   return m;
 }
 

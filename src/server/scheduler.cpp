@@ -1,9 +1,20 @@
 #include "server/scheduler.h"
 
-#include <algorithm>
-#include <cstdio>
-#include <nlohmann/json.hpp>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "server/signing.h"
+#include "text/chat.h"
 #include "util/error.h"
 
 namespace dsx::server {
@@ -26,13 +37,31 @@ struct Scheduler::Slot {
   bool busy = false;
   uint64_t last_use = 0;
   std::string hint;
+  // positions of the session's current history whose state is on disk (saved or
+  // restored from); the end of its last prefill (a checkpoint there), -1: none
+  std::vector<int64_t> saved;
+  int64_t prompt_end = -1;
+  bool is_saved(int64_t p) const { return std::find(saved.begin(), saved.end(), p) != saved.end(); }
+  // the history beyond p changed (went back to p)
+  void forget_after(int64_t p) {
+    saved.erase(std::remove_if(saved.begin(), saved.end(), [p](int64_t x) { return x > p; }), saved.end());
+    if (prompt_end > p) prompt_end = -1;
+  }
 };
 
 struct Scheduler::Active {
   std::shared_ptr<Job> job;
   Slot* slot = nullptr;
-  bool decoding = false, done = false, reuse_synced = false;
+  bool decoding = false, done = false, started = false;
   int32_t anchor = -1;
+  // the disk cache: the admission's lookup, the prefill's save points (ascending), the
+  // tokens restored from disk and how long that took
+  std::optional<CacheHit> hit;
+  std::vector<std::pair<int64_t, SaveReason>> saves;
+  size_t next_save = 0;
+  int64_t restored = 0;
+  double restore_seconds = 0;
+  bool in_tool_call = false;
   int64_t generated = 0, reasoning_tokens = 0;
   bool in_reasoning = false;
   Usage usage;
@@ -44,7 +73,44 @@ struct Scheduler::Active {
 
 Scheduler::Scheduler(Engine& eng, const text::Tokenizer& tok, SchedulerOptions o) : eng_(eng), tok_(tok), o_(o) {
   DSX_CHECK(o_.max_sessions >= 1, "the server needs at least one session");
+  auto single = [&](const char* marker) {
+    const std::vector<int32_t> ids = tok_.encode(marker, true);
+    return ids.size() == 1 ? ids[0] : -1;
+  };
+  user_id_ = single(text::tok::kUser);
+  assistant_id_ = single(text::tok::kAssistant);
   worker_ = std::thread([this] { loop(); });
+}
+
+void Scheduler::log_line(const std::string& line) const {
+  if (o_.log) {
+    o_.log(line);
+  } else {
+    std::fprintf(stderr, "%s\n", line.c_str());
+  }
+}
+
+std::string persistent_secret(const std::string& dir) {
+  const std::string path = dir + "/serve-secret";
+  {
+    std::ifstream in(path, std::ios::binary);
+    std::string s;
+    if (in && std::getline(in, s) && s.size() == 64 &&
+        std::all_of(s.begin(), s.end(), [](char c) { return std::isxdigit(static_cast<unsigned char>(c)); }))
+      return s;
+  }
+  const std::string secret = new_secret();
+  const std::string tmp = cat(path, ".tmp.", ::getpid());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) fail("cannot create ", tmp, ": ", std::strerror(errno));
+  const std::string line = secret + "\n";
+  const bool ok = ::write(fd, line.data(), line.size()) == static_cast<ssize_t>(line.size()) && ::fsync(fd) == 0;
+  ::close(fd);
+  if (!ok || ::rename(tmp.c_str(), path.c_str()) != 0) {
+    ::unlink(tmp.c_str());
+    fail("cannot write ", path, ": ", std::strerror(errno));
+  }
+  return secret;
 }
 
 Scheduler::~Scheduler() { shutdown(); }
@@ -65,6 +131,7 @@ void Scheduler::shutdown() {
     cv_.notify_all();
   }
   if (worker_.joinable()) worker_.join();
+  if (o_.cache) o_.cache->flush();  // (the shutdown saves are written before the worker stops)
 }
 
 SchedulerStats Scheduler::stats() const {
@@ -76,19 +143,45 @@ SchedulerStats Scheduler::stats() const {
   return s;
 }
 
-// The idle resident session whose history shares the longest prefix with the job's
-// prompt (a client's session hint breaks ties), a new one while there is room, or the
-// least recently used idle one. Null when every session is busy.
-Scheduler::Slot* Scheduler::pick_slot(const Job& j) {
+// What a resident session keeps of a prompt without computing it again: the common
+// prefix when the session can go back to it directly (the rollback depth), else its
+// nearest checkpoint at or before it (Session::sync replays the rest).
+int64_t Scheduler::live_reuse(const Slot& sl, const std::vector<int32_t>& prompt, int64_t goal) const {
+  const Session& s = *sl.s;
+  const int64_t c = common_prefix(s.tokens(), prompt, goal);
+  if (s.position() - c <= eng_.options().rollback_depth) return c;
+  int64_t best = 0;
+  for (int64_t cp : s.checkpoints())
+    if (cp <= c) best = std::max(best, cp);
+  return best;
+}
+
+bool Scheduler::slot_available() const {
+  if (static_cast<int>(slots_.size()) < o_.max_sessions) return true;
+  for (const auto& sl : slots_)
+    if (!sl->busy) return true;
+  return false;
+}
+
+// The idle resident session that keeps the longest prefix of the job's prompt (a
+// client's session hint breaks ties), when that is a useful share (at least min_tokens
+// or half the prompt) and no shorter than what the disk holds (disk_tokens); otherwise a
+// new session while there is room, or the least recently used idle one (whose state is
+// saved to disk before it is replaced). Null when every session is busy.
+Scheduler::Slot* Scheduler::pick_slot(const Job& j, int64_t disk_tokens) {
+  const int64_t goal = static_cast<int64_t>(j.prompt.size()) - 1;
   Slot* best = nullptr;
   int64_t best_len = -1;
   for (auto& sl : slots_) {
     if (sl->busy) continue;
-    int64_t len = common_prefix(sl->s->tokens(), j.prompt, static_cast<int64_t>(j.prompt.size()));
+    const int64_t len = live_reuse(*sl, j.prompt, goal);
     const bool hint = !j.session_hint.empty() && sl->hint == j.session_hint;
     if (len > best_len || (len == best_len && hint)) best = sl.get(), best_len = len;
   }
-  if ((!best || best_len == 0) && static_cast<int>(slots_.size()) < o_.max_sessions) {
+  const bool useful = best && best_len > 0 && (best_len >= o_.kv.min_tokens || 2 * best_len >= goal) &&
+                      (best_len >= disk_tokens || best_len >= o_.kv.min_tokens);
+  if (useful) return best;
+  if (static_cast<int>(slots_.size()) < o_.max_sessions) {
     try {
       auto sl = std::make_unique<Slot>();
       sl->s = eng_.new_session();
@@ -96,10 +189,10 @@ Scheduler::Slot* Scheduler::pick_slot(const Job& j) {
       return slots_.back().get();
     } catch (const Error& e) {
       // the state budget is full: reuse an idle session instead
-      std::fprintf(stderr, "dsx serve: no new session (%s)\n", e.what());
+      log_line(cat("dsx serve: no new session (", e.what(), ")"));
     }
   }
-  if (best && best_len == 0) {  // nothing shared: the least recently used idle one
+  if (best) {  // nothing useful shared: the least recently used idle one
     for (auto& sl : slots_)
       if (!sl->busy && sl->last_use < best->last_use) best = sl.get();
   }
@@ -108,13 +201,24 @@ Scheduler::Slot* Scheduler::pick_slot(const Job& j) {
 
 bool Scheduler::admit(std::unique_lock<std::mutex>& lk) {
   bool any = false;
-  while (!queue_.empty()) {
-    Slot* sl = pick_slot(*queue_.front());
+  while (!queue_.empty() && slot_available()) {
+    const Job& j = *queue_.front();
+    const int64_t goal = static_cast<int64_t>(j.prompt.size()) - 1;
+    // the disk: only when no resident session already keeps the whole prompt
+    std::optional<CacheHit> hit;
+    if (o_.cache && goal >= o_.kv.min_tokens) {
+      int64_t live = 0;
+      for (const auto& sl : slots_)
+        if (!sl->busy) live = std::max(live, live_reuse(*sl, j.prompt, goal));
+      if (live < goal) hit = o_.cache->lookup(j.prompt.data(), goal);
+    }
+    Slot* sl = pick_slot(j, hit ? hit->tokens : 0);
     if (!sl) break;
     auto a = std::make_unique<Active>();
     a->job = std::move(queue_.front());
     queue_.pop_front();
     a->slot = sl;
+    a->hit = std::move(hit);
     sl->busy = true;
     sl->last_use = ++clock_;
     sl->hint = a->job->session_hint;
@@ -129,28 +233,189 @@ bool Scheduler::admit(std::unique_lock<std::mutex>& lk) {
   return any;
 }
 
-// One piece of a job's prefill: first back to the longest prefix its session keeps
-// (prefix reuse), then the prompt but its last token (the first decoding step feeds it)
-// in pieces of prefill_chunk tokens.
-void Scheduler::prefill_piece(Active& a) {
-  Session& s = *a.slot->s;
+// ---- the disk KV cache: save points and saves ------------------------------------------------------------
+// The positions in (from, goal] at which a prefill from `from` stores the state (§5.4):
+// cold (nothing reused): the chat anchor (the last <｜User｜> before the first
+// <｜Assistant｜>: the system + tools prefix all of an agent's conversations share) and
+// align_down(L - 32, 2048) (L itself when that is below min_tokens), for prompts up to
+// cold_max_tokens; continued: every multiple of continued_interval.
+std::vector<std::pair<int64_t, Scheduler::SaveReason>> Scheduler::save_points(const std::vector<int32_t>& p,
+                                                                              int64_t from, int64_t goal) const {
+  std::vector<std::pair<int64_t, SaveReason>> v;
+  if (!o_.cache) return v;
+  const KvCachePolicy& k = o_.kv;
+  const int64_t L = goal + 1;
+  if (from < k.min_tokens) {
+    const auto asst = std::find(p.begin(), p.end(), assistant_id_);
+    if (asst != p.end() && user_id_ >= 0) {
+      const auto user = std::find(std::make_reverse_iterator(asst), p.rend(), user_id_);
+      if (user != p.rend()) {
+        const int64_t anchor = static_cast<int64_t>(user.base() - p.begin()) - 1;
+        if (anchor <= k.cold_max_tokens) v.emplace_back(anchor, SaveReason::Cold);
+      }
+    }
+    if (L <= k.cold_max_tokens && k.boundary_align > 0) {
+      int64_t t = (L - k.boundary_trim) / k.boundary_align * k.boundary_align;
+      if (t < k.min_tokens) t = L;
+      v.emplace_back(std::min(t, goal), SaveReason::Cold);
+    }
+  }
+  if (k.continued_interval > 0)
+    for (int64_t m = (from / k.continued_interval + 1) * k.continued_interval; m <= goal; m += k.continued_interval)
+      v.emplace_back(m, SaveReason::Continued);
+  v.erase(std::remove_if(v.begin(), v.end(),
+                         [&](const auto& x) { return x.first <= from || x.first > goal || x.first < k.min_tokens; }),
+          v.end());
+  // ascending; one save per position (a cold one before a continued one)
+  std::sort(v.begin(), v.end(), [](const auto& a, const auto& b) {
+    return a.first != b.first ? a.first < b.first : static_cast<int>(a.second) < static_cast<int>(b.second);
+  });
+  v.erase(std::unique(v.begin(), v.end(), [](const auto& a, const auto& b) { return a.first == b.first; }), v.end());
+  return v;
+}
+
+// Stores the slot's state at its current position (unless shorter than min_tokens or
+// already stored): serialized here, written by the cache's background writer (shutdown:
+// written now). False when nothing was stored.
+bool Scheduler::save_state(Slot& sl, SaveReason why) {
+  if (!o_.cache) return false;
+  Session& s = *sl.s;
+  const int64_t pos = s.position();
+  if (pos < o_.kv.min_tokens || sl.is_saved(pos)) return false;
+  static const char* names[] = {"cold", "continued", "evict", "shutdown"};
+  const char* name = names[static_cast<int>(why)];
+  const auto t0 = Clock::now();
+  bool ok = false;
+  int64_t bytes = 0;
+  try {
+    std::vector<uint8_t> snap = s.save();
+    bytes = static_cast<int64_t>(snap.size());
+    std::vector<int32_t> tokens = s.tokens();
+    if (why == SaveReason::Shutdown) {
+      o_.cache->save_snapshot(snap, tokens);
+      ok = true;
+    } else {
+      ok = o_.cache->save_async(std::move(snap), std::move(tokens));
+      if (!ok) log_line(cat("dsx kv-cache: not saving the ", name, " state of ", pos, " tokens: the writer is busy"));
+    }
+  } catch (const std::exception& e) {
+    log_line(cat("dsx kv-cache: saving the ", name, " state of ", pos, " tokens failed: ", e.what()));
+  }
+  const double dt = secs(t0, Clock::now());
+  std::lock_guard<std::mutex> lk(mu_);
+  stats_.kv_snapshot_seconds += dt;
+  if (!ok) {
+    ++stats_.kv_saves_dropped;
+    return false;
+  }
+  stats_.kv_snapshot_bytes += bytes;
+  int64_t* counter[] = {&stats_.kv_saves_cold, &stats_.kv_saves_continued, &stats_.kv_saves_evict,
+                        &stats_.kv_saves_shutdown};
+  ++*counter[static_cast<int>(why)];
+  sl.saved.push_back(pos);
+  return true;
+}
+
+// Before the slot's state is replaced (a job keeping only its first `keep` tokens, or the
+// server stopping: keep 0): stores the whole state when at least min_tokens of it would be
+// lost, and the state at the end of its last prompt (where a checkpoint sits): that is a
+// prefix of the conversation's next request even when the client's replay of the answer
+// tokenizes differently from the tokens sampled.
+void Scheduler::save_leaving(Slot& sl, int64_t keep, SaveReason why) {
+  if (!o_.cache) return;
+  Session& s = *sl.s;
+  const int64_t P = s.position(), e = sl.prompt_end;
+  if (P - keep >= o_.kv.min_tokens) save_state(sl, why);
+  if (e >= o_.kv.min_tokens && e < P && e > keep && !sl.is_saved(e)) {
+    const std::vector<int64_t> cps = s.checkpoints();
+    if (P - e <= eng_.options().rollback_depth || std::find(cps.begin(), cps.end(), e) != cps.end()) {
+      s.rollback(e);
+      sl.forget_after(e);
+      sl.prompt_end = e;
+      save_state(sl, why);
+    }
+  }
+}
+
+// The first piece of a job's prefill: the longest prefix its session keeps (prefix
+// reuse), or a longer one restored from disk; then the save points of the rest.
+void Scheduler::begin_prefill(Active& a) {
+  Slot& sl = *a.slot;
+  Session& s = *sl.s;
   const std::vector<int32_t>& p = a.job->prompt;
   const int64_t goal = static_cast<int64_t>(p.size()) - 1;
-  const auto t0 = Clock::now();
-  if (!a.reuse_synced) {
+  int64_t reused = 0;
+  bool restored = false;
+  if (o_.cache && a.hit && a.hit->tokens > live_reuse(sl, p, goal)) {
+    save_leaving(sl, common_prefix(s.tokens(), p, goal), SaveReason::Evict);
+    for (int attempt = 0; a.hit && attempt < 4; ++attempt) {
+      const auto t0 = Clock::now();
+      try {
+        const RestoreResult r = o_.cache->restore(*a.hit, s);
+        restored = true;
+        reused = r.position;
+        a.restored = r.position;
+        a.restore_seconds = secs(t0, Clock::now());
+        std::lock_guard<std::mutex> lk(mu_);
+        ++stats_.kv_restores;
+        stats_.kv_restored_tokens += r.position;
+        stats_.kv_restore_seconds += a.restore_seconds;
+        break;
+      } catch (const std::exception& e) {
+        // (the cache logged a refused file and dropped it; the session is reset or untouched)
+        log_line(cat("dsx kv-cache: ", a.job->id, ": restore failed (", e.what(), "); trying the next entry"));
+        {
+          std::lock_guard<std::mutex> lk(mu_);
+          ++stats_.kv_restore_failures;
+        }
+        const int64_t live = live_reuse(sl, p, goal);
+        a.hit = o_.cache->lookup(p.data(), goal);
+        if (a.hit && a.hit->tokens <= live) a.hit.reset();
+      }
+    }
+  }
+  if (restored) {
+    sl.saved.assign(1, reused);
+    sl.prompt_end = -1;
+  } else {
     const int64_t c = common_prefix(s.tokens(), p, goal);
-    int64_t reused = 0;
+    save_leaving(sl, c, SaveReason::Evict);
     if (c == 0) {
       if (s.position() > 0) s.rollback(0);
     } else {
       reused = s.sync(p.data(), c).reused;
     }
-    a.usage.cached_tokens = reused;
-    a.reuse_synced = true;
+    sl.forget_after(s.position());
+  }
+  a.usage.cached_tokens = reused;
+  a.saves = save_points(p, s.position(), goal);
+  if (reused >= o_.kv.min_tokens)  // (cold saves only when nothing was reused)
+    a.saves.erase(std::remove_if(a.saves.begin(), a.saves.end(),
+                                 [](const auto& x) { return x.second == SaveReason::Cold; }),
+                  a.saves.end());
+}
+
+// One piece of a job's prefill: first back to the longest prefix its session keeps
+// (or a restore from disk), then the prompt but its last token (the first decoding step
+// feeds it) in pieces of prefill_chunk tokens that end at the save points.
+void Scheduler::prefill_piece(Active& a) {
+  Slot& sl = *a.slot;
+  Session& s = *sl.s;
+  const std::vector<int32_t>& p = a.job->prompt;
+  const int64_t goal = static_cast<int64_t>(p.size()) - 1;
+  const auto t0 = Clock::now();
+  if (!a.started) {
+    begin_prefill(a);
+    a.started = true;
     a.job->sink->start(a.usage);
   } else {
-    const int64_t next = std::min(goal, s.position() + o_.prefill_chunk);
+    int64_t next = std::min(goal, s.position() + o_.prefill_chunk);
+    if (a.next_save < a.saves.size()) next = std::min(next, a.saves[a.next_save].first);
     s.sync(p.data(), next);
+  }
+  while (a.next_save < a.saves.size() && a.saves[a.next_save].first <= s.position()) {
+    if (a.saves[a.next_save].first == s.position()) save_state(sl, a.saves[a.next_save].second);
+    ++a.next_save;
   }
   const auto t1 = Clock::now();
   {
@@ -158,6 +423,10 @@ void Scheduler::prefill_piece(Active& a) {
     stats_.prefill_seconds += secs(t0, t1);
   }
   if (s.position() >= goal) {
+    // a checkpoint at the prompt's end: the next request of this conversation goes back
+    // at most to here when its replay of the answer differs from the tokens sampled
+    if (goal > 0) s.checkpoint();
+    sl.prompt_end = goal;
     a.decoding = true;
     a.anchor = p.back();
     a.prefill_done = t1;
@@ -210,8 +479,11 @@ void Scheduler::decode_step(std::vector<Active*>& ds) {
       continue;
     }
     std::vector<text::Event> ev = a.parser->push(tok_.decode_one(t));
-    for (const auto& e : ev)
+    for (const auto& e : ev) {
       if (e.type == text::EventType::ReasoningEnd) a.in_reasoning = false;
+      if (e.type == text::EventType::ToolCallStart) a.in_tool_call = true;
+      if (e.type == text::EventType::ToolCallEnd) a.in_tool_call = false;
+    }
     if (!ev.empty()) a.job->sink->events(ev);
     if (a.parser->should_stop() || (a.job->constraint && a.job->constraint->done())) {
       finish(a, text::EndCause::Eos);
@@ -219,6 +491,14 @@ void Scheduler::decode_step(std::vector<Active*>& ds) {
       finish(a, text::EndCause::Length);
     }
   }
+  // continued saves of growing sessions (not in the middle of a tool call, whose replay
+  // is rendered from the parsed call)
+  const int64_t every = o_.kv.continued_interval;
+  if (o_.cache && every > 0)
+    for (Active* a : ds) {
+      const int64_t pos = a->slot->s->position();
+      if (pos % every == 0 && !a->in_tool_call) save_state(*a->slot, SaveReason::Continued);
+    }
 }
 
 void Scheduler::finish(Active& a, text::EndCause cause) {
@@ -241,12 +521,14 @@ void Scheduler::finish(Active& a, text::EndCause cause) {
                         {"endpoint", a.job->api},
                         {"tokens_in", a.usage.prompt_tokens},
                         {"tokens_cached", a.usage.cached_tokens},
+                        {"tokens_restored", a.restored},
                         {"tokens_out", a.generated},
                         {"queue_ms", static_cast<int64_t>(secs(a.job->submitted, a.admitted) * 1000)},
                         {"prefill_tok_s", pf > 0 ? (a.usage.prompt_tokens - a.usage.cached_tokens) / pf : 0.0},
                         {"decode_tok_s", dc > 0 ? a.generated / dc : 0.0},
                         {"finish", text::finish_reason_name(r.finish)}};
-    std::fprintf(stderr, "%s\n", j.dump().c_str());
+    if (a.restored > 0) j["restore_ms"] = static_cast<int64_t>(a.restore_seconds * 1000);
+    log_line(j.dump());
   }
 }
 
@@ -255,11 +537,9 @@ void Scheduler::drop(Active& a, const char* why) {
   std::lock_guard<std::mutex> lk(mu_);
   ++stats_.cancelled;
   if (o_.log_requests)
-    std::fprintf(stderr, "%s\n",
-                 nlohmann::json({{"id", a.job->id}, {"endpoint", a.job->api}, {"cancelled", why},
-                                 {"tokens_out", a.generated}})
-                     .dump()
-                     .c_str());
+    log_line(nlohmann::json({{"id", a.job->id}, {"endpoint", a.job->api}, {"cancelled", why},
+                             {"tokens_out", a.generated}})
+                 .dump());
 }
 
 void Scheduler::loop() {
@@ -268,7 +548,12 @@ void Scheduler::loop() {
       std::unique_lock<std::mutex> lk(mu_);
       admit(lk);
       if (active_.empty()) {
-        if (stopping_ && queue_.empty()) break;
+        if (stopping_ && queue_.empty()) {
+          lk.unlock();
+          // shutdown: every resident session to disk (written before the worker stops)
+          for (auto& sl : slots_) save_leaving(*sl, 0, SaveReason::Shutdown);
+          break;
+        }
         cv_.wait_for(lk, std::chrono::milliseconds(100));
         if (queue_.empty()) continue;
       }

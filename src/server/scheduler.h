@@ -7,18 +7,43 @@
 // then decodes together with every other decoding job: one Engine::step of one row per
 // job per token. A job ends on EOS, a closed tool-call block or a stop string (the
 // parser), max_tokens, a full context, or its client going away (Sink::cancelled).
+//
+// With a disk KV cache (SchedulerOptions::cache, docs/kv-cache.md), sessions outlive
+// the process and their eviction from memory:
+//   - admission looks the prompt up on disk (the longest stored token prefix of all but
+//     its last token); when that covers more than the best resident session keeps, the
+//     entry is restored into a session and only the rest is prefilled. A refused entry
+//     (corrupt, truncated: DiskCache::restore) is logged and dropped, and the next
+//     longest is tried (a cold prefill at worst);
+//   - saves (chat-and-serving.md §5.4, KvCachePolicy): cold (a prompt that reused
+//     nothing: at its chat anchor, the system + tools prefix, and at
+//     align_down(L - 32, 2048)), continued (every 10240 tokens of a growing session, in
+//     prefill or decode, not inside a tool call), evict (a session about to be
+//     repurposed with >= min_tokens that would be lost) and shutdown (every resident
+//     session). The prefill pauses at each save point so that the snapshot is taken at
+//     exactly that position; the snapshot is serialized on the engine thread (the
+//     state is ~1 KB per token) and written by the cache's background writer, so decode
+//     never waits for the disk. Each slot remembers which positions of its history are
+//     stored, so one state is never saved twice;
+//   - every prefill ends with a session checkpoint at its last prompt position: a next
+//     request whose replayed assistant turn tokenizes differently from the sampled tokens
+//     goes back to there (not to the previous 4096-token checkpoint); evict and shutdown
+//     also store that prompt-end state, the prefix a continuation always shares.
 #pragma once
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
+#include "cache/disk_cache.h"
 #include "runtime/engine.h"
 #include "runtime/sampler.h"
 #include "server/api.h"
@@ -44,13 +69,36 @@ struct Job {
   std::chrono::steady_clock::time_point last_keepalive = submitted;  // (while queued; the scheduler's)
 };
 
+// When the scheduler stores sessions on disk (chat-and-serving.md §5.4, ds4's defaults).
+struct KvCachePolicy {
+  int64_t min_tokens = 512;            // no entry holds fewer tokens
+  int64_t cold_max_tokens = 30000;     // cold saves: prompts (anchor positions) up to this long
+  int64_t continued_interval = 10240;  // continued saves at multiples of this (5 x 2048)
+  int64_t boundary_trim = 32;          // cold save at align_down(L - trim, align)
+  int64_t boundary_align = 2048;
+};
+
 struct SchedulerOptions {
   int max_sessions = 4;           // resident sessions (and jobs running at once)
   int64_t prefill_chunk = 1024;   // prompt tokens per prefill piece between decode steps
   double keepalive_seconds = 5;   // keep-alive interval for a client whose prompt waits or prefills
   size_t max_queue = 256;         // jobs waiting; more are refused (503)
   bool log_requests = true;       // one line per finished request on stderr
+  // The on-disk KV cache (not owned; outlives the scheduler), or null: none.
+  DiskCache* cache = nullptr;
+  KvCachePolicy kv;
+  // The HTTP layer's secret for the reasoning it hands out (thinking-block signatures,
+  // Responses encrypted_content; server/signing.h). Empty: a fresh one per process. A
+  // server with a disk cache keeps it beside the cache (persistent_secret), so that a
+  // restarted server still recognises, and renders exactly, the reasoning clients
+  // replay: otherwise every conversation's prefix changes at a restart.
+  std::string secret;
+  // Log lines (request lines, kv-cache events); default: stderr.
+  std::function<void(const std::string&)> log;
 };
+
+// The secret kept in `dir`/serve-secret (0600; created when missing or malformed).
+std::string persistent_secret(const std::string& dir);
 
 struct SchedulerStats {
   int64_t requests = 0, finished = 0, cancelled = 0, failed = 0;
@@ -61,6 +109,13 @@ struct SchedulerStats {
   int64_t decode_rows = 0;          // rows over the steps (mean batch = rows / steps)
   int64_t prefill_tokens = 0;
   double prefill_seconds = 0;
+  // the disk KV cache (the store's own counters: DiskCache::stats)
+  int64_t kv_restores = 0, kv_restored_tokens = 0, kv_restore_failures = 0;
+  double kv_restore_seconds = 0;
+  int64_t kv_saves_cold = 0, kv_saves_continued = 0, kv_saves_evict = 0, kv_saves_shutdown = 0;
+  int64_t kv_saves_dropped = 0;    // the background writer's queue was full
+  double kv_snapshot_seconds = 0;  // serializing snapshots on the engine thread
+  int64_t kv_snapshot_bytes = 0;
 };
 
 class Scheduler {
@@ -80,17 +135,27 @@ class Scheduler {
  private:
   struct Slot;
   struct Active;
+  enum class SaveReason { Cold, Continued, Evict, Shutdown };
   void loop();
   bool admit(std::unique_lock<std::mutex>& lk);
+  void begin_prefill(Active& a);
   void prefill_piece(Active& a);
   void decode_step(std::vector<Active*>& ds);
   void finish(Active& a, text::EndCause cause);
   void drop(Active& a, const char* why);
-  Slot* pick_slot(const Job& j);
+  Slot* pick_slot(const Job& j, int64_t disk_tokens);
+  bool slot_available() const;
+  int64_t live_reuse(const Slot& sl, const std::vector<int32_t>& prompt, int64_t goal) const;
+  std::vector<std::pair<int64_t, SaveReason>> save_points(const std::vector<int32_t>& prompt, int64_t from,
+                                                          int64_t goal) const;
+  bool save_state(Slot& sl, SaveReason why);
+  void save_leaving(Slot& sl, int64_t keep, SaveReason why);
+  void log_line(const std::string& s) const;
 
   Engine& eng_;
   const text::Tokenizer& tok_;
   SchedulerOptions o_;
+  int32_t user_id_ = -1, assistant_id_ = -1;  // <｜User｜>, <｜Assistant｜> (the chat anchor)
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::shared_ptr<Job>> queue_;
