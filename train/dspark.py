@@ -900,6 +900,12 @@ def init_from_target(d, model_dir=None, tensors=None, seed=0):
         tensors = _read_model_tensors(model_dir, lambda k: k.startswith("layers.") or k == "norm.weight")
     copied = []
     with torch.no_grad():
+        # u_p starts as the mean of the taps (plus a little noise): the context rows begin
+        # as the late residual the copied layers were trained on
+        D, nT = c.hidden, c.n_taps
+        g = torch.Generator().manual_seed(seed)
+        eye = torch.eye(D).repeat(1, nT) / nT
+        d.main_proj.copy_(eye + torch.randn(D, nT * D, generator=g) * (0.1 / math.sqrt(nT * D)))
         if "norm.weight" in tensors:
             w = dequant(tensors, "norm.weight", "bf16")
             d.norm.copy_(w)

@@ -226,10 +226,11 @@ def accepted_lengths(seq, anchors, drafts, end):
     return torch.cumprod(hit.long(), dim=1).sum(1), valid
 
 
-def walk(acc_by_pos, P, end):
-    """The cycle walk from anchor P: accepted drafts of each cycle."""
+def walk(acc_by_pos, P, end, B):
+    """The cycle walk from anchor P: accepted drafts of each cycle, for the cycles whose whole
+    block lies inside the chain (n + B <= end - 1), so that every cycle can accept up to B."""
     out, n = [], P
-    while n <= end - 2:  # an anchor with at least one position after it to verify
+    while n + B <= end - 1:
         j = int(acc_by_pos[n])
         out.append(j)
         n += j + 1
@@ -242,7 +243,7 @@ def summarize(cycles, all_acc, B, hits_all=None):
     s = {"cycles": len(cycles), "tokens_per_cycle": float(cyc.mean() + 1) if len(cycles) else 0.0,
          "accepted_per_cycle": float(cyc.mean()) if len(cycles) else 0.0, "histogram": hist}
     # conditional acceptance per position over the walk: P(accepted > k | accepted >= k)
-    s["conditional"] = [float((cyc > k).sum() / max(1, int((cyc >= k).sum()))) for k in range(B)]
+    s["conditional"] = [int((cyc > k).sum()) / max(1, int((cyc >= k).sum())) for k in range(B)]
     aa = torch.cat(all_acc).double()
     s["all_anchors"] = {"anchors": int(aa.numel()), "tokens_per_cycle": float(aa.mean() + 1),
                         "histogram": [int((aa == k).sum()) for k in range(B + 1)]}
@@ -306,8 +307,8 @@ def run(args):
         acc, _ = accepted_lengths(seq, anchors, drafts, end)
         acc_by_pos = torch.zeros(end, dtype=torch.long)
         acc_by_pos[anchors] = acc
-        cycles += walk(acc_by_pos, P, end)
-        all_acc.append(acc)
+        cycles += walk(acc_by_pos, P, end, B)
+        all_acc.append(acc[anchors + B <= end - 1])
     res = summarize(cycles, all_acc, B)
     res.update({"prompts": N, "prompt_len": P, "gen_len": G, "target": args.target, "drafter": args.drafter,
                 "model": args.model})

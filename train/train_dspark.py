@@ -59,6 +59,9 @@ GOLDEN_ROOT = os.path.dirname(GOLDEN_CASE)
 GOLDEN_TARGET = os.path.join(GOLDEN_ROOT, "deepseek_v41_tiny")  # a random V4.1 target (T's model runs it)
 GOLDEN_CMAP = os.path.join(GOLDEN_ROOT, "tokenizer", "engram-cmap-v41.safetensors")
 
+DEFAULT_TARGET = os.path.join(_HERE, "out", "target", "model")  # train_target.py's export
+DEFAULT_DATA = os.path.join(_HERE, "out", "data")
+
 NOISE_TOKEN_CONTENT = "<\uff5cSystem\uff5c>"  # the release's dspark_noise_token_id 128799 (spec §5.2)
 
 
@@ -266,11 +269,12 @@ def dspark_loss(d, ids, logits, taps, n, ce_label="argmax", with_stats=True):
 
 # ---------------------------------------------------------------------------------------
 
-def lr_at(step, steps, base, warmup):
+def lr_at(step, progress, base, warmup):
+    """Linear warm-up over `warmup` steps, then cosine decay to 0.1 x base as progress (the
+    larger of step / steps and elapsed / max-minutes) goes from 0 to 1."""
     if step < warmup:
         return base * (step + 1) / warmup
-    t = (step - warmup) / max(1, steps - warmup)
-    return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+    return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
 def build_drafter(target, args, device):
@@ -331,9 +335,10 @@ def fmt(v):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", dest="target_dir", help="checkpoint dir of the trained target")
+    ap.add_argument("--target", dest="target_dir",
+                    help="checkpoint dir of the trained target (default train/out/target/model when present)")
     ap.add_argument("--golden-case", help="train on the golden DSpark case's one prompt (stand-in target)")
-    ap.add_argument("--data", help="dir with train.bin / val.bin (uint16 token ids)")
+    ap.add_argument("--data", help="dir with train.bin / val.bin (uint16 token ids; default train/out/data)")
     ap.add_argument("--cmap", help="Engram compressed token map (safetensors 'cmap'; default: the target dir's "
                                    "engram_cmap.safetensors)")
     ap.add_argument("--out", default=os.path.join(_HERE, "out", "dspark"))
@@ -345,7 +350,7 @@ def main(argv=None):
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--anchors", type=int, default=128, help="anchors (blocks) per sequence")
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--bias-rate", type=float, default=1e-3, help="router bias balancing rate")
@@ -362,7 +367,12 @@ def main(argv=None):
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--eval-batches", type=int, default=4)
     ap.add_argument("--no-fake-quant", action="store_true", help="train without the weight fake-quantizers")
-    ap.add_argument("--no-tf32", action="store_true")
+    ap.add_argument("--no-tf32", action="store_true",
+                    help="no TF32 products on CUDA (TF32 is exact for the quantized linears: QA8'd activations "
+                         "and FP8 / FP4 weights have <= 4 significant bits)")
+    ap.add_argument("--target-bf16", type=int, default=None,
+                    help="the frozen target's products on bf16 operands (model.set_matmul_bf16; default 1 on cuda, "
+                         "as the target was trained)")
     ap.add_argument("--no-export", action="store_true")
     ap.add_argument("--check", action="store_true", help="after the export: the engine check (eval_dspark --compare)")
     ap.add_argument("--check-prompts", type=int, default=4)
@@ -391,6 +401,10 @@ def main(argv=None):
         args.eval_batches = 1
         if args.out == os.path.join(_HERE, "out", "dspark"):
             args.out = os.path.join(_HERE, "out", "dspark-smoke")
+    if not args.smoke and not args.target_dir and not args.golden_case and os.path.isdir(DEFAULT_TARGET):
+        args.target_dir = DEFAULT_TARGET
+    if not args.smoke and args.target_dir and not args.golden_case and not args.data and os.path.isdir(DEFAULT_DATA):
+        args.data = DEFAULT_DATA
     if not args.target_dir and not args.golden_case:
         ap.error("--target DIR (and --data DIR) or --golden-case DIR / --smoke")
 
@@ -414,6 +428,11 @@ def main(argv=None):
         if not args.data:
             ap.error("--data DIR is required with --target")
         taps = drafter_text_config(DS.load_config(args.target_dir), args)["dspark_target_layer_ids"]
+        if args.target_bf16 is None:
+            args.target_bf16 = int(device.type == "cuda")
+        if args.target_bf16:
+            import model as TM
+            TM.set_matmul_bf16(True)
         target = ModelTarget(args.target_dir, os.path.join(args.data, "train.bin"), device, taps, args.cmap)
         val_file = os.path.join(args.data, "val.bin")
         val_target = target.with_data(val_file) if os.path.exists(val_file) else target
@@ -451,8 +470,9 @@ def main(argv=None):
             break
         ids, logits, taps = target.batch(gen, args.batch, args.seq_len)
         n = sample_anchors(gen, ids.shape[0], ids.shape[1], args.anchors, c.block_size, device)
+        progress = max(step / max(1, args.steps), (time.time() - t0) / 60.0 / max(args.max_minutes, 1e-9))
         for gp in opt.param_groups:
-            gp["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
+            gp["lr"] = lr_at(step, progress, args.lr, args.warmup)
         loss, s = dspark_loss(d, ids, logits, taps, n, args.ce_label, with_stats=(step % args.log_every == 0))
         opt.zero_grad(set_to_none=True)
         loss.backward()

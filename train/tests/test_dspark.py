@@ -269,13 +269,17 @@ class TestAcceptance(unittest.TestCase):
                                [9, 9, 9, 9, 9]])  # position 9 = 9 accepted, then past the end
         acc, _ = EV.accepted_lengths(seq, anchors, drafts, end=10)
         self.assertEqual(acc.tolist(), [2, 5, 0, 1])
-        by_pos = torch.zeros(10, dtype=torch.long)
-        by_pos[anchors] = acc
-        # walk from 2: accept 2 -> anchor 5 (0) -> 6 (0) -> 7 (0) -> 8 (1) -> 10 stop
-        self.assertEqual(EV.walk(by_pos, 2, 10), [2, 0, 0, 0, 1])
-        s = EV.summarize(EV.walk(by_pos, 2, 10), [acc], 5)
-        self.assertAlmostEqual(s["tokens_per_cycle"], 1 + 3 / 5)
-        self.assertEqual(s["histogram"], [3, 1, 1, 0, 0, 0])
+        # the walk: anchors from 2 on a chain of 20 positions, blocks of 5 fully inside
+        by_pos = torch.zeros(20, dtype=torch.long)
+        for pos, j in {2: 2, 5: 0, 6: 5, 12: 1, 14: 3}.items():
+            by_pos[pos] = j
+        # 2 (+3) -> 5 (+1) -> 6 (+6) -> 12 (+2) -> 14 (+4 -> 18: 18 + 5 > 19, stop)
+        cyc = EV.walk(by_pos, 2, 20, 5)
+        self.assertEqual(cyc, [2, 0, 5, 1, 3])
+        s = EV.summarize(cyc, [acc], 5)
+        self.assertAlmostEqual(s["tokens_per_cycle"], 1 + 11 / 5)
+        self.assertEqual(s["histogram"], [1, 1, 1, 1, 0, 1])
+        self.assertEqual(s["conditional"][0], 4 / 5)
 
     def test_stats_parse(self):
         import eval_dspark as EV
