@@ -1130,6 +1130,13 @@ class V41Model(nn.Module):
     @staticmethod
     def from_pretrained(model_dir, cmap=None, device="cpu"):
         cfg = Config.load(model_dir)
+        cpath = os.path.join(model_dir, "engram_cmap.safetensors")
+        if cmap is None and cfg.engram_layers and os.path.exists(cpath):
+            import st as ST
+            cmap = ST.read_safetensors(cpath)[0]["cmap"]
+        if cfg.engram_layers and cmap is None:
+            raise ValueError("%s: the model has Engram layers; pass its compressed token map (cmap=) or put "
+                             "engram_cmap.safetensors in the directory" % model_dir)
         model = V41Model(cfg, cmap=cmap)
         tensors = load_checkpoint_tensors(model_dir)
         load_official(model, tensors)

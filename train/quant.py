@@ -39,8 +39,9 @@ training forward computed with (fake-quantized weights).
 import torch
 
 _F32 = torch.float32
-_INV448 = torch.tensor(1.0 / 448.0, dtype=_F32)
-_INV6 = torch.tensor(1.0 / 6.0, dtype=_F32)
+# Python scalars enter f32 tensor arithmetic as f32 (fl32(1/448), fl32(1/6)), on CPU and CUDA
+_INV448 = 1.0 / 448.0
+_INV6 = 1.0 / 6.0
 
 
 # ---------------------------------------------------------------------------------------
@@ -57,7 +58,7 @@ def _round_minifloat(x, mbits, emin, vmax):
     e = (e - 1).clamp(min=emin)
     step = torch.ldexp(torch.ones_like(a), (e - mbits))
     r = torch.round(a / step) * step  # torch.round: half to even
-    r = torch.minimum(r, torch.tensor(vmax, dtype=_F32))
+    r = r.clamp(max=vmax)
     return torch.copysign(r, x)
 
 
@@ -167,7 +168,7 @@ def qa8(x, block=32):
     shp = x.shape
     xb = _blocks(x.to(_F32), block)
     a = xb.abs().amax(dim=-1, keepdim=True).clamp(min=1e-4)
-    s = pow2ceil(a * _INV448.to(x.device))
+    s = pow2ceil(a * _INV448)
     q = e4m3_rne((xb / s).clamp(-448.0, 448.0)) * s
     return q.reshape(shp)
 
@@ -180,7 +181,7 @@ def fq4_e8(x, block=32):
     shp = x.shape
     xb = _blocks(x.to(_F32), block)
     a = xb.abs().amax(dim=-1, keepdim=True).clamp(min=6.0 * 2.0 ** -126)
-    s = pow2ceil(a * _INV6.to(x.device))
+    s = pow2ceil(a * _INV6)
     q = e2m1_rne((xb / s).clamp(-6.0, 6.0)) * s
     return q.reshape(shp)
 
