@@ -334,7 +334,11 @@ class QLinear(nn.Module):
         self.weight = _param((out_f, in_f), std if std is not None else in_f ** -0.5)
         self._st = {"weight": {"fp8": "FP8", "fp8w": "FP8", "fp4": "FP4", "bf16": "BF16"}[fmt]}
 
+    _cache = None  # set by prepare_quantized_weights() for the duration of one forward
+
     def qweight(self):
+        if self._cache is not None:
+            return self._cache
         w = self.weight
         if self.fmt in ("fp8", "fp8w"):
             return Q.fp8_block_fake_ste(w, self.block)
@@ -349,6 +353,52 @@ class QLinear(nn.Module):
         if not pre_quantized:
             x = self.quantize_input(x)
         return mm(x, self.qweight())
+
+
+def prepare_quantized_weights(qlinears):
+    """Fake-quantize the weights of many QLinear modules in a few batched calls (FP8 tiles,
+    MXFP4 strips and bf16 values are quantized independently, so batching changes nothing
+    but the number of kernels); each module's qweight() returns its piece until
+    release_quantized_weights(). Gradients reach every master weight (STE)."""
+    groups = {"FP8": [], "FP4": [], "BF16": []}
+    for q in qlinears:
+        groups[q._st["weight"]].append(q)
+    for kind, mods in groups.items():
+        if not mods:
+            continue
+        pieces = []
+        for q in mods:
+            w = q.weight
+            N, K = w.shape
+            if kind == "FP8":
+                b = q.block
+                pieces.append(w.view(N // b, b, K // b, b).permute(0, 2, 1, 3).reshape(-1, b * b))
+            elif kind == "FP4":
+                pieces.append(w.reshape(-1, 32))
+            else:
+                pieces.append(w.reshape(-1, 1))
+        flat = torch.cat(pieces, 0)
+        with torch.no_grad():
+            if kind == "FP8":
+                fq = Q.fp8_tiles_fake(flat)
+            elif kind == "FP4":
+                fq = Q.mxfp4_strips_fake(flat)
+            else:
+                fq = bf16_round(flat)
+        flat = flat + (fq - flat).detach() if flat.requires_grad else fq
+        parts = torch.split(flat, [p.shape[0] for p in pieces], 0)
+        for q, part in zip(mods, parts):
+            N, K = q.weight.shape
+            if kind == "FP8":
+                b = q.block
+                q._cache = part.view(N // b, K // b, b, b).permute(0, 2, 1, 3).reshape(N, K)
+            else:
+                q._cache = part.view(N, K)
+
+
+def release_quantized_weights(qlinears):
+    for q in qlinears:
+        q._cache = None
 
 
 class RMSNorm(nn.Module):
@@ -574,17 +624,17 @@ class Attention(nn.Module):
             self.indexer = Indexer(cfg, owns_keys=plan.kv_source)
 
     # pieces reusable by the DSpark stages
-    def queries(self, a, cos, sin):
-        """a [..., D] -> (q_lat [..., R_q], q [..., H, hd] rotated)."""
+    def queries(self, a, cos, sin, aq=None):
+        """a [..., D] -> (q_lat [..., R_q], q [..., H, hd] rotated); aq: QA8(a) if already computed."""
         cfg = self.cfg
-        q_lat = self.q_norm(self.wq_a(a))
+        q_lat = self.q_norm(self.wq_a(a) if aq is None else self.wq_a(aq, pre_quantized=True))
         q = self.wq_b(q_lat).view(a.shape[:-1] + (cfg.n_heads, cfg.head_dim))
         q = apply_rope(q, cos[..., None, :], sin[..., None, :])
         return q_lat, q
 
-    def kv_from(self, x, cos, sin):
-        """window K=V row of inputs x [..., D]: RMSNorm(Lin8(x; wkv)) -> RoPE -> FQ8."""
-        kv = self.kv_norm(self.wkv(x))
+    def kv_from(self, x, cos, sin, xq=None):
+        """window K=V row of inputs x [..., D]: RMSNorm(Lin8(x; wkv)) -> RoPE -> FQ8 (xq: QA8(x) if known)."""
+        kv = self.kv_norm(self.wkv(x) if xq is None else self.wkv(xq, pre_quantized=True))
         kv = apply_rope(kv, cos, sin)
         return Q.fq8_ste(kv)
 
@@ -603,8 +653,9 @@ class Attention(nn.Module):
         B, T, _ = a.shape
         rope = ctx["crope"] if plan.ratio > 0 else ctx["mrope"]
         cos, sin = rope  # [1, T, n]
-        q_lat, q = self.queries(a, cos, sin)
-        kv = self.kv_from(a, cos, sin)
+        aq = Q.qa8_ste(a, cfg.quant_block)
+        q_lat, q = self.queries(a, cos, sin, aq)
+        kv = self.kv_from(a, cos, sin, aq)
         comp = sel_idx = sel_valid = dense = None
         if plan.ratio > 0:
             r = plan.ratio
@@ -787,7 +838,6 @@ class MoE(nn.Module):
             debug[debug_key] = chosen.view(shp[:-1] + (self.k,)).to(torch.int32)
         fq = Q.qa8_ste(f, 32)
         lim = cfg.swiglu_limit
-        out = torch.zeros_like(f)
         flat_e = chosen.reshape(-1)
         flat_w = wts.reshape(-1)
         flat_t = torch.arange(N, device=f.device).repeat_interleave(self.k)
@@ -798,19 +848,17 @@ class MoE(nn.Module):
             P = (s / (s.sum(-1, keepdim=True) + 1e-20)).mean(0)
             fr = counts.float() / (N * self.k)
             self.aux_loss = self.n_experts * (fr.detach() * P).sum()
+        tok = flat_t[order]
+        x = fq[tok]  # rows grouped by expert, ascending expert id
         cl = counts.tolist()
-        st = 0
-        for e, c in enumerate(cl):
-            if c == 0:
-                continue
-            sel = order[st:st + c]
-            st += c
-            tok = flat_t[sel]
-            ex = self.experts[e]
-            x = fq[tok]
-            h = swiglu(ex.w1(x, pre_quantized=True), ex.w3(x, pre_quantized=True), lim)
-            h = h * flat_w[sel, None]
-            out = out.index_add(0, tok, ex.w2(h))
+        segs = [(e, c) for e, c in enumerate(cl) if c > 0]
+        xs = torch.split(x, [c for _, c in segs], 0)
+        g = torch.cat([mm(xi, self.experts[e].w1.qweight()) for (e, _), xi in zip(segs, xs)], 0)
+        u = torch.cat([mm(xi, self.experts[e].w3.qweight()) for (e, _), xi in zip(segs, xs)], 0)
+        h = Q.qa8_ste(swiglu(g, u, lim) * flat_w[order][:, None], 32)  # routing weight before w2's QA8
+        hs = torch.split(h, [c for _, c in segs], 0)
+        y = torch.cat([mm(hi, self.experts[e].w2.qweight()) for (e, _), hi in zip(segs, hs)], 0)
+        out = torch.zeros_like(f).index_add(0, tok, y)
         sh = self.shared_experts
         h = swiglu(sh.w1(fq, pre_quantized=True), sh.w3(fq, pre_quantized=True), lim)
         out = out + sh.w2(h)
@@ -1077,6 +1125,23 @@ class V41Model(nn.Module):
         e_ids = self.engram_ids(ids) if cfg.engram_layers else None
         if debug is not None and e_ids is not None:
             debug["engram_hash_ids"] = torch.stack(e_ids, 2).to(torch.int32)
+        qls = self._qlinears()
+        prepare_quantized_weights(qls)
+        try:
+            return self._forward(ids, want_taps, debug, ctx, e_ids)
+        finally:
+            release_quantized_weights(qls)
+
+    def _qlinears(self):
+        if getattr(self, "_ql", None) is None:
+            self._ql = [m for m in self.modules() if isinstance(m, QLinear)]
+        return self._ql
+
+    def _forward(self, ids, want_taps, debug, ctx, e_ids):
+        cfg = self.cfg
+        B, T = ids.shape
+        M, D = cfg.hc_mult, cfg.hidden
+        dev = ids.device
         e = self.embed_tokens(ids)
         X = e.unsqueeze(2).expand(B, T, M, D)
         pre = torch.zeros(B, T, M, device=dev)

@@ -269,6 +269,21 @@ def fp8_block_fake_ste(w, block=32):
     return ste(w, fp8_block_fake(w.detach(), block))
 
 
+def fp8_tiles_fake(t):
+    """fake-quantize pre-tiled FP8 weights: t [n_tiles, B*B] (one tile per row), the same
+    values as fp8_block_fake on the untiled matrix (used to quantize many matrices in one call)."""
+    t = t.to(_F32)
+    s = pow2ceil(t.abs().amax(dim=-1, keepdim=True).clamp(min=_W_FLOOR8) / 448.0)
+    return e4m3_rne((t / s).clamp(-448.0, 448.0)) * s
+
+
+def mxfp4_strips_fake(t):
+    """fake-quantize MXFP4 strips: t [n_strips, 32], the same values as mxfp4_fake."""
+    t = t.to(_F32)
+    s = pow2ceil(t.abs().amax(dim=-1, keepdim=True).clamp(min=_W_FLOOR4) / 6.0)
+    return e2m1_rne((t / s).clamp(-6.0, 6.0)) * s
+
+
 def _strips(w):
     N, K = w.shape
     if K % 32:
