@@ -58,9 +58,22 @@ def log(msg):
 # prompts
 
 def tokenize_file(dsx, tokenizer, path):
-    out = subprocess.run([dsx, "tokenize", "--tokenizer", tokenizer, "-f", path, "--json"], check=True,
-                         capture_output=True, text=True).stdout
-    return json.loads(out)["ids"]
+    """Token ids of a text file: `dsx tokenize` when the binary exists, else the project's
+    Python encoder (train/data/bpe.py, checked identical to dsx by its tests)."""
+    if os.path.exists(dsx):
+        out = subprocess.run([dsx, "tokenize", "--tokenizer", tokenizer, "-f", path, "--json"], check=True,
+                             capture_output=True, text=True).stdout
+        return json.loads(out)["ids"]
+    sys.path.insert(0, os.path.join(_HERE, "data"))
+    import bpe
+    key = ("tok", tokenizer)
+    if key not in _TOK:
+        _TOK[key] = bpe.Tokenizer(tokenizer)
+    with open(path, encoding="utf-8") as f:
+        return _TOK[key].encode(f.read())
+
+
+_TOK = {}
 
 
 def make_prompts(args, vocab):
