@@ -56,10 +56,15 @@ def _round_minifloat(x, mbits, emin, vmax):
     # exponent of the binade: floor(log2 a) from frexp (a = m * 2^e, m in [0.5, 1))
     _, e = torch.frexp(a)
     e = (e - 1).clamp(min=emin)
-    step = torch.ldexp(torch.ones_like(a), (e - mbits))
+    step = _pow2(e - mbits)
     r = torch.round(a / step) * step  # torch.round: half to even
     r = r.clamp(max=vmax)
     return torch.copysign(r, x)
+
+
+def _pow2(e):
+    """exact 2^e as f32 from the bits (int tensor e in [-126, 127])."""
+    return ((e.to(torch.int32) + 127) << 23).view(_F32)
 
 
 def e4m3_rne(x):
@@ -131,7 +136,7 @@ def e4m3_encode(x):
     e = e - 1  # a in [2^e, 2^(e+1))
     is_sub = (a < 2.0 ** -6)
     m_sub = (a * 2.0 ** 9).round().to(torch.int32)
-    frac = torch.ldexp(a, (-e)) - 1.0  # in [0, 1)
+    frac = a / _pow2(e.clamp(min=-126)) - 1.0  # in [0, 1) for normal values
     m_nor = (frac * 8.0).round().to(torch.int32)
     code_nor = ((e + 7).clamp(min=0) << 3) | m_nor
     code = torch.where(is_sub, m_sub, code_nor)

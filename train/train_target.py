@@ -251,11 +251,14 @@ def main(argv=None):
     if args.smoke:
         args.config = os.path.join(HERE, "configs", "smoke.json")
         args.device = "cpu"
-        args.steps = 6 if args.steps == 2000 else args.steps
-        args.batch, args.seq = 2, 64
+        dflt = ap.parse_args([])
+        keep = lambda name, v: v if getattr(args, name) == getattr(dflt, name) else getattr(args, name)  # noqa: E731
+        args.steps = keep("steps", 6)
+        args.batch = keep("batch", 2)
+        args.seq = keep("seq", 64)
         args.vocab_size = args.vocab_size or 512
-        args.val_windows = 4
-        args.log_every = 1
+        args.val_windows = keep("val_windows", 4)
+        args.log_every = keep("log_every", 1)
         if args.engine_windows == 2 and args.engine_seq == 512:
             args.engine_windows, args.engine_seq = 2, 96
         args.warmup_frac = 0.2
