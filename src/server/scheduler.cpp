@@ -235,17 +235,18 @@ bool Scheduler::admit(std::unique_lock<std::mutex>& lk) {
 
 // ---- the disk KV cache: save points and saves ------------------------------------------------------------
 // The positions in (from, goal] at which a prefill from `from` stores the state (§5.4):
-// cold (nothing reused): the chat anchor (the last <｜User｜> before the first
+// cold (fewer than min_tokens reused): the chat anchor (the last <｜User｜> before the first
 // <｜Assistant｜>: the system + tools prefix all of an agent's conversations share) and
 // align_down(L - 32, 2048) (L itself when that is below min_tokens), for prompts up to
 // cold_max_tokens; continued: every multiple of continued_interval.
 std::vector<std::pair<int64_t, Scheduler::SaveReason>> Scheduler::save_points(const std::vector<int32_t>& p,
-                                                                              int64_t from, int64_t goal) const {
+                                                                              int64_t from, int64_t goal,
+                                                                              bool cold) const {
   std::vector<std::pair<int64_t, SaveReason>> v;
   if (!o_.cache) return v;
   const KvCachePolicy& k = o_.kv;
   const int64_t L = goal + 1;
-  if (from < k.min_tokens) {
+  if (cold) {
     const auto asst = std::find(p.begin(), p.end(), assistant_id_);
     if (asst != p.end() && user_id_ >= 0) {
       const auto user = std::find(std::make_reverse_iterator(asst), p.rend(), user_id_);
@@ -318,15 +319,15 @@ bool Scheduler::save_state(Slot& sl, SaveReason why) {
 
 // Before the slot's state is replaced (a job keeping only its first `keep` tokens, or the
 // server stopping: keep 0): stores the whole state when at least min_tokens of it would be
-// lost, and the state at the end of its last prompt (where a checkpoint sits): that is a
-// prefix of the conversation's next request even when the client's replay of the answer
-// tokenizes differently from the tokens sampled.
+// lost, and likewise the state at the end of its last prompt (where a checkpoint sits):
+// that is a prefix of the conversation's next request even when the client's replay of
+// the answer tokenizes differently from the tokens sampled.
 void Scheduler::save_leaving(Slot& sl, int64_t keep, SaveReason why) {
   if (!o_.cache) return;
   Session& s = *sl.s;
   const int64_t P = s.position(), e = sl.prompt_end;
   if (P - keep >= o_.kv.min_tokens) save_state(sl, why);
-  if (e >= o_.kv.min_tokens && e < P && e > keep && !sl.is_saved(e)) {
+  if (e >= o_.kv.min_tokens && e < P && e - keep >= o_.kv.min_tokens && !sl.is_saved(e)) {
     const std::vector<int64_t> cps = s.checkpoints();
     if (P - e <= eng_.options().rollback_depth || std::find(cps.begin(), cps.end(), e) != cps.end()) {
       s.rollback(e);
@@ -388,11 +389,7 @@ void Scheduler::begin_prefill(Active& a) {
     sl.forget_after(s.position());
   }
   a.usage.cached_tokens = reused;
-  a.saves = save_points(p, s.position(), goal);
-  if (reused >= o_.kv.min_tokens)  // (cold saves only when nothing was reused)
-    a.saves.erase(std::remove_if(a.saves.begin(), a.saves.end(),
-                                 [](const auto& x) { return x.second == SaveReason::Cold; }),
-                  a.saves.end());
+  a.saves = save_points(p, s.position(), goal, reused < o_.kv.min_tokens);
 }
 
 // One piece of a job's prefill: first back to the longest prefix its session keeps

@@ -147,7 +147,7 @@ class Scheduler {
   bool slot_available() const;
   int64_t live_reuse(const Slot& sl, const std::vector<int32_t>& prompt, int64_t goal) const;
   std::vector<std::pair<int64_t, SaveReason>> save_points(const std::vector<int32_t>& prompt, int64_t from,
-                                                          int64_t goal) const;
+                                                          int64_t goal, bool cold) const;
   bool save_state(Slot& sl, SaveReason why);
   void save_leaving(Slot& sl, int64_t keep, SaveReason why);
   void log_line(const std::string& s) const;
