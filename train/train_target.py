@@ -342,11 +342,22 @@ def main(argv=None):
             g["lr"] = lr
         model.sparse = progress >= args.dense_warmup_frac
         x = train_w.batch(args.batch).to(dev, non_blocking=True)
-        logits = model(x[:, :-1])
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
-        loss = ce + args.index_coef * model.index_loss + args.aux_coef * model.aux_loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+        try:
+            logits = model(x[:, :-1])
+            ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+            loss = ce + args.index_coef * model.index_loss + args.aux_coef * model.aux_loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+        except RuntimeError as err:  # out of memory in the first steps: halve the batch, go on
+            if "out of memory" not in str(err) or step > 2 or args.batch <= 1:
+                raise
+            logits = ce = loss = None
+            opt.zero_grad(set_to_none=True)
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            args.batch //= 2
+            print(json.dumps({"out_of_memory": True, "batch_now": args.batch}), flush=True)
+            continue
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip) if args.grad_clip > 0 else None
         opt.step()
         model.update_router_bias(args.bias_rate)
@@ -375,7 +386,7 @@ def main(argv=None):
             last_save = time.time()
     train_s = time.time() - t0
     save(model, cfgd, step, tokens, args.out)
-    summary = {"steps": step, "tokens": tokens, "train_seconds": round(train_s, 1),
+    summary = {"steps": step, "tokens": tokens, "batch": args.batch, "seq": args.seq, "train_seconds": round(train_s, 1),
                "tokens_per_second": round(tokens / max(train_s, 1e-9)), "final_train_loss": float(ce)}
     if val_w is not None:
         vl, vn = evaluate(model, val_w, max(1, args.batch // 2), dev, args.val_windows)
