@@ -7,7 +7,8 @@ the trained model's tool calls; strict: the V4.1 spelling only, no recovery.
 `text` is what the model generated after the prompt (decoded bytes as str). In thinking
 mode it must contain "</think>" before anything else counts. A tool block is
 "<｜DSML｜ calls>" ... "</｜DSML｜ calls>" with invokes and parameters; string="true" values
-are raw strings, string="false" values must be JSON. check_completion wants at least one
+are raw strings, string="false" values must be JSON; text after the block closer is
+ignored (the server stops generating there). check_completion wants at least one
 call, every call naming one of `tools` and its arguments valid against that tool's
 `parameters` schema (jsonschema_lite).
 """
@@ -123,9 +124,7 @@ def parse_completion(text: str, thinking: bool) -> Dict[str, Any]:
         out["error"] = str(e)
         return out
     out["calls"] = calls
-    tail = rest[end:]
-    if tail not in ("", EOS):
-        out["error"] = f"text after the block closer: {tail[:40]!r}"
+    out["tail"] = rest[end:]  # the server stops at the block closer; whatever follows is never seen
     return out
 
 

@@ -20,7 +20,8 @@ Rendering is dsx's own (build-cpu/dsx render), two processes at a time:
                        agents/{train,val}.bin (uint16 LE, each conversation starts with BOS),
                        agents/{train,val}.jsonl (the conversation JSON + offset, length),
                        agent_eval.jsonl (held-out prompts: messages, tools, prompt_ids,
-                       expected_tool, thinking), agents/stats.json.
+                       expected_tool, expected_calls, reference_completion = the rendered
+                       target turn, which passes dsml_lite.check_completion), agents/stats.json.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ from typing import Any, Dict, List, Optional, Tuple
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import classics  # noqa: E402
+import dsml_lite  # noqa: E402
 import jsonschema_lite  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -79,10 +81,14 @@ class Func:
         self.name, self.src, self.sig, self.doc, self.args = name, src, sig, doc, args
 
     def doc_line(self) -> Optional[str]:
+        """The first sentence of the docstring's first paragraph, or None."""
         if not self.doc:
             return None
-        line = self.doc.strip().split("\n")[0].strip()
-        return line if 8 <= len(line) <= 120 else None
+        para = " ".join(l.strip() for l in self.doc.strip().split("\n\n")[0].split("\n"))
+        line = para.split(". ")[0].strip()
+        if line and not line.endswith((".", "!", "?", ":")):
+            line += "."
+        return line if 8 <= len(line) <= 160 else None
 
 
 def function_pool(data_dir: str, max_files: int, seed: int) -> List[Func]:
@@ -1113,6 +1119,9 @@ def gen_agent(seed_key: str, pool: List[Func]) -> Dict[str, Any]:
 # ---- plain chats -------------------------------------------------------------------------------
 
 
+CHAT_WEIGHTS = {"fib": 4, "factorial": 2, "is_prime": 2, "gcd": 2, "reverse_string": 2, "is_palindrome": 2}
+
+
 def complete_prompt(rng: random.Random, sig: str, partial: str) -> str:
     one_line = "\n" not in partial.strip()
     if one_line and rng.random() < 0.45:
@@ -1142,8 +1151,8 @@ def gen_chat(seed_key: str, pool: List[Func]) -> Dict[str, Any]:
     if rng.random() < 0.2:
         msgs.append({"role": "system", "content": pick(rng, [s for s in SYSTEMS if s])})
     kind = rng.random()
-    if kind < 0.45:  # classic completion or write-from-description
-        c = Classic(rng, pick(rng, classics.CLASSICS))
+    if kind < 0.45:  # classic completion or write-from-description (the README demo completes fib)
+        c = Classic(rng, rng.choices(classics.CLASSICS, [CHAT_WEIGHTS.get(e["names"][0], 1) for e in classics.CLASSICS])[0])
         if rng.random() < 0.75:
             msgs.append({"role": "user", "content": complete_prompt(rng, c.sig, partial_of(c.src, rng, 1))})
             sc = "complete_classic"
@@ -1357,14 +1366,27 @@ def main() -> int:
         evals.append((c, k, tool))
     reqs = [request_json(c, c["messages"][:k]) for c, k, _ in evals]
     pids = render_all(reqs, args.tokenizer, args.workers)
+    # The reference completion: the rendered target turn (full render minus the prompt);
+    # it must pass the same check the trained model's completions get.
+    ptexts = render_all(reqs, None, args.workers)
+    ftexts = render_all([request_json(c, c["messages"][:k + 1]) for c, k, _ in evals], None, args.workers)
+    refs = []
+    for (c, k, tool), pt, ft in zip(evals, ptexts, ftexts):
+        if not ft.startswith(pt):
+            raise SystemExit("eval: the prompt is not a prefix of the rendered conversation")
+        ref = ft[len(pt):]
+        ok, detail = dsml_lite.check_completion(ref, c["tools"], c["thinking"])
+        if not ok:
+            raise SystemExit(f"eval: the reference completion fails the check: {detail}")
+        refs.append(ref)
     with open(os.path.join(args.data, "agent_eval.jsonl"), "w", encoding="utf-8") as f:
-        for (c, k, tool), p in zip(evals, pids):
+        for (c, k, tool), p, ref in zip(evals, pids, refs):
             target = c["messages"][k]
             f.write(jdump({"messages": c["messages"][:k], "tools": c["tools"], "thinking": c["thinking"],
                            "reasoning_effort": c["effort"], "prompt_ids": p, "expected_tool": tool,
                            "expected_calls": [{"name": tc["function"]["name"], "arguments": json.loads(tc["function"]["arguments"])}
                                               for tc in target["tool_calls"]],
-                           "scenario": c["scenario"]}) + "\n")
+                           "reference_completion": ref, "scenario": c["scenario"]}) + "\n")
     stats["eval"] = {"prompts": len(evals), "rejected_as_in_training": rejected,
                      "thinking": sum(1 for c, _, _ in evals if c["thinking"]),
                      "first_call": sum(1 for c, k, _ in evals if c["call_points"][0][0] == k),

@@ -355,6 +355,39 @@ class TestAgentConversations(unittest.TestCase):
                 self.assertEqual(jsonschema_lite.validate(call["arguments"], schemas[call["name"]]), [])
             key = hashlib.sha256(json.dumps([e["tools"], e["thinking"], e["messages"]], ensure_ascii=False).encode()).digest()
             self.assertNotIn(key, train_keys)
+            self.assertEqual(dsml_lite.check_completion(e["reference_completion"], e["tools"], e["thinking"]),
+                             (True, ",".join(c["name"] for c in e["expected_calls"])))
+            self.assertEqual(dsml_lite.parse_completion(e["reference_completion"], e["thinking"])["calls"], e["expected_calls"])
+
+
+class TestCheckerOnRenderedTurns(unittest.TestCase):
+    """Positive control of the completion checker against dsx's renderer: the assistant turns
+    with tool calls of training conversations, as dsx renders them after their prompt, pass."""
+
+    def test_rendered_call_turns_pass(self):
+        need(DSX)
+        n = 0
+        for c in load_convs("train", limit=60):
+            for m_index, m in enumerate(c["messages"]):
+                if m["role"] != "assistant" or not m.get("tool_calls") or n >= 40:
+                    continue
+                texts = []
+                for msgs in (c["messages"][:m_index], c["messages"][:m_index + 1]):
+                    req = {"messages": msgs, "tools": c["tools"], "thinking_mode": "thinking" if c["thinking"] else "chat"}
+                    if c.get("effort"):
+                        req["reasoning_effort"] = c["effort"]
+                    with tempfile.NamedTemporaryFile("w", encoding="utf-8", suffix=".json", delete=False) as f:
+                        json.dump(req, f, ensure_ascii=False)
+                    try:
+                        texts.append(dsx("render", "--profile", "v41", "--messages", f.name).decode("utf-8"))
+                    finally:
+                        os.remove(f.name)
+                prompt, full = texts
+                self.assertTrue(full.startswith(prompt))
+                ok, detail = dsml_lite.check_completion(full[len(prompt):], c["tools"], c["thinking"])
+                self.assertTrue(ok, detail)
+                n += 1
+        self.assertGreater(n, 10)
 
 
 class TestManifestAndTokenFiles(unittest.TestCase):
