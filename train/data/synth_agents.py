@@ -55,6 +55,7 @@ SETTINGS = {
     "val_agents": 120,
     "val_chats": 80,
     "eval_prompts": 200,
+    "eval_max_tokens": 1024,  # prompt + reference turn
     "thinking_fraction": 0.5,
     "follow_up_fraction": 0.2,
     "sample_text_conversations": 1500,
@@ -1350,51 +1351,62 @@ def main() -> int:
         log(f"{split}: {off} tokens; {json.dumps(by_kind)} ({time.time() - t0:.1f} s)")
 
     # ---- held-out agent prompts ----
+    # Candidates from their own seeds, cut before an assistant turn with tool calls (70 % the
+    # first one); kept when the prompt is no prefix of a training conversation and prompt +
+    # reference turn fit in eval_max_tokens (the trainer's window).
     evals, i = [], 0
     s = SETTINGS["seed"]
-    rejected = 0
+    rejected = {"in_training": 0, "too_long": 0}
     while len(evals) < SETTINGS["eval_prompts"]:
-        c = gen_agent(f"{s}:eval:agent:{i}", pool)
-        i += 1
-        if not c["call_points"]:
-            continue
-        rng = random.Random(f"{s}:eval:cut:{i}")
-        k, tool = c["call_points"][0] if rng.random() < 0.7 else rng.choice(c["call_points"])
-        if prefix_key(c, k) in train_prefixes:
-            rejected += 1
-            continue
-        evals.append((c, k, tool))
-    reqs = [request_json(c, c["messages"][:k]) for c, k, _ in evals]
-    pids = render_all(reqs, args.tokenizer, args.workers)
-    # The reference completion: the rendered target turn (full render minus the prompt);
-    # it must pass the same check the trained model's completions get.
-    ptexts = render_all(reqs, None, args.workers)
-    ftexts = render_all([request_json(c, c["messages"][:k + 1]) for c, k, _ in evals], None, args.workers)
-    refs = []
-    for (c, k, tool), pt, ft in zip(evals, ptexts, ftexts):
-        if not ft.startswith(pt):
-            raise SystemExit("eval: the prompt is not a prefix of the rendered conversation")
-        ref = ft[len(pt):]
-        ok, detail = dsml_lite.check_completion(ref, c["tools"], c["thinking"])
-        if not ok:
-            raise SystemExit(f"eval: the reference completion fails the check: {detail}")
-        refs.append(ref)
+        cands = []
+        while len(cands) < SETTINGS["eval_prompts"] - len(evals) + 16:
+            c = gen_agent(f"{s}:eval:agent:{i}", pool)
+            i += 1
+            if not c["call_points"]:
+                continue
+            rng = random.Random(f"{s}:eval:cut:{i}")
+            k, tool = c["call_points"][0] if rng.random() < 0.7 else rng.choice(c["call_points"])
+            if prefix_key(c, k) in train_prefixes:
+                rejected["in_training"] += 1
+                continue
+            cands.append((c, k, tool))
+        preqs = [request_json(c, c["messages"][:k]) for c, k, _ in cands]
+        freqs = [request_json(c, c["messages"][:k + 1]) for c, k, _ in cands]
+        pids = render_all(preqs, args.tokenizer, args.workers)
+        fids = render_all(freqs, args.tokenizer, args.workers)
+        ptexts = render_all(preqs, None, args.workers)
+        ftexts = render_all(freqs, None, args.workers)
+        for (c, k, tool), p, fi, pt, ft in zip(cands, pids, fids, ptexts, ftexts):
+            if len(evals) >= SETTINGS["eval_prompts"]:
+                break
+            if len(fi) > SETTINGS["eval_max_tokens"]:
+                rejected["too_long"] += 1
+                continue
+            # The reference completion: the rendered target turn (full render minus the
+            # prompt); it must pass the same check the trained model's completions get.
+            if not ft.startswith(pt) or fi[:len(p)] != p:
+                raise SystemExit("eval: the prompt is not a prefix of the rendered conversation")
+            ref = ft[len(pt):]
+            ok, detail = dsml_lite.check_completion(ref, c["tools"], c["thinking"])
+            if not ok:
+                raise SystemExit(f"eval: the reference completion fails the check: {detail}")
+            evals.append((c, k, tool, p, ref, len(fi) - len(p)))
     with open(os.path.join(args.data, "agent_eval.jsonl"), "w", encoding="utf-8") as f:
-        for (c, k, tool), p, ref in zip(evals, pids, refs):
+        for c, k, tool, p, ref, nref in evals:
             target = c["messages"][k]
             f.write(jdump({"messages": c["messages"][:k], "tools": c["tools"], "thinking": c["thinking"],
                            "reasoning_effort": c["effort"], "prompt_ids": p, "expected_tool": tool,
                            "expected_calls": [{"name": tc["function"]["name"], "arguments": json.loads(tc["function"]["arguments"])}
                                               for tc in target["tool_calls"]],
-                           "reference_completion": ref, "scenario": c["scenario"]}) + "\n")
-    stats["eval"] = {"prompts": len(evals), "rejected_as_in_training": rejected,
-                     "thinking": sum(1 for c, _, _ in evals if c["thinking"]),
-                     "first_call": sum(1 for c, k, _ in evals if c["call_points"][0][0] == k),
-                     "max_prompt_tokens": max(len(p) for p in pids)}
+                           "reference_completion": ref, "reference_tokens": nref, "scenario": c["scenario"]}) + "\n")
+    stats["eval"] = {"prompts": len(evals), "rejected": rejected,
+                     "thinking": sum(1 for e in evals if e[0]["thinking"]),
+                     "first_call": sum(1 for e in evals if e[0]["call_points"][0][0] == e[1]),
+                     "max_prompt_tokens": max(len(e[3]) for e in evals)}
     with open(os.path.join(out, "stats.json"), "w", encoding="utf-8") as f:
         json.dump(stats, f, indent=1)
         f.write("\n")
-    log(f"agent_eval.jsonl: {len(evals)} prompts ({rejected} rejected as seen in training); done in {time.time() - t0:.1f} s")
+    log(f"agent_eval.jsonl: {len(evals)} prompts (rejected: {json.dumps(rejected)}); done in {time.time() - t0:.1f} s")
     return 0
 
 
