@@ -220,7 +220,8 @@ std::string tool_output(int turn) {
       "scheduler.cpp:212:7: error: 'hit' was not declared in this scope\n",
       "[==========] 12 tests from 3 test suites ran. (2841 ms total)\n[  PASSED  ] 11 tests.\n[  FAILED  ] 1 test\n",
       "    const int64_t goal = static_cast<int64_t>(p.size()) - 1;\n    int64_t reused = 0;\n",
-      "diff --git a/src/server/scheduler.cpp b/src/server/scheduler.cpp\n@@ -88,7 +88,9 @@\n-  return best;\n+  return useful ? best : nullptr;\n",
+      "diff --git a/src/server/scheduler.cpp b/src/server/scheduler.cpp\n@@ -88,7 +88,9 @@\n"
+      "-  return best;\n+  return useful ? best : nullptr;\n",
       "Process exited with code 0\nWall time: 0.4 seconds\n",
   };
   return cat(outs[turn % 6], "(turn ", turn, ")\n");
@@ -544,7 +545,8 @@ TEST(ServerKvCache, AgentShapesExtendTheirPromptsAcrossARestart) {
          for (const auto& it : ans["output"]) {
            conv.push_back(it);
            if (it["type"] == "function_call") {
-             conv.push_back({{"type", "function_call_output"}, {"call_id", it["call_id"]}, {"output", tool_output(turn)}});
+             conv.push_back(
+                 {{"type", "function_call_output"}, {"call_id", it["call_id"]}, {"output", tool_output(turn)}});
              called = true;
            }
          }
@@ -674,7 +676,8 @@ TEST(ServerKvCache, ColdSavesAtTheAnchorAndTheAlignedBoundary) {
     anchor = L - 3 - static_cast<int64_t>(s.tok->encode("Build it.", false).size());
     std::printf("prompt %lld tokens: entries", (long long)L);
     for (int64_t t : got) std::printf(" %lld", (long long)t);
-    std::printf(" (anchor %lld, align_down(L - 32, 2048) = %lld)\n", (long long)anchor, (long long)((L - 32) / 2048 * 2048));
+    std::printf(" (anchor %lld, align_down(L - 32, 2048) = %lld)\n", (long long)anchor,
+                (long long)((L - 32) / 2048 * 2048));
     EXPECT_EQ(got, (std::multiset<int64_t>{(L - 32) / 2048 * 2048, anchor}));
     // a follow-up reuses the prefix: no cold save
     b["messages"].push_back({{"role", "assistant"}, {"content", "Done."}});
@@ -858,7 +861,8 @@ TEST(ServerKvCache, KillNineLosesNoCommittedEntry) {
     auto r = c.Post("/v1/chat/completions", body(100).dump(), "application/json");
     ASSERT_TRUE(r && r->status == 200);
     const json again = json::parse(r->body);
-    const int64_t p = again["usage"]["prompt_tokens"], cached = again["usage"]["prompt_tokens_details"]["cached_tokens"];
+    const int64_t p = again["usage"]["prompt_tokens"];
+    const int64_t cached = again["usage"]["prompt_tokens_details"]["cached_tokens"];
     EXPECT_EQ(cached, p - 1) << "the SIGTERM save was not restored";
     EXPECT_EQ(again["choices"][0]["message"], first["choices"][0]["message"]);
   }

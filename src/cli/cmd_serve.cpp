@@ -122,8 +122,8 @@ int cmd_serve(int argc, char** argv) {
         cache = DiskCache::open(kv_dir, kv_budget, eng->state_identity());
         so.scheduler.secret = server::persistent_secret(kv_dir);
         const DiskCacheStats st = cache->stats();
-        std::fprintf(stderr, "dsx serve: kv cache %s: %lld entries, %.1f of %.1f GB%s\n", kv_dir.c_str(),
-                     (long long)st.entries, st.bytes / 1e9, kv_budget / 1e9,
+        std::fprintf(stderr, "dsx serve: kv cache %s: %lld entries, %.1f MB of a %.1f GB budget%s\n",
+                     kv_dir.c_str(), (long long)st.entries, st.bytes / 1e6, kv_budget / 1e9,
                      st.refused ? cat("; ", st.refused, " files refused (above)").c_str() : "");
       } catch (const Error& e) {
         // an explicit directory must work; the default one may be another server's
