@@ -369,9 +369,10 @@ void Scheduler::begin_prefill(Active& a) {
           std::lock_guard<std::mutex> lk(mu_);
           ++stats_.kv_restore_failures;
         }
+        const std::string failed = a.hit->name;
         const int64_t live = live_reuse(sl, p, goal);
         a.hit = o_.cache->lookup(p.data(), goal);
-        if (a.hit && a.hit->tokens <= live) a.hit.reset();
+        if (a.hit && (a.hit->tokens <= live || a.hit->name == failed)) a.hit.reset();
       }
     }
   }
