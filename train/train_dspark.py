@@ -29,10 +29,21 @@ Targets:
   --golden-case DIR  the golden DSpark case's target as a stand-in: its one 192-token prompt
                      with the golden's target logits and taps (no model run); for --smoke.
 
+Outputs (--out, default train/out/dspark): settings.json, dspark.pt (master weights, config),
+model/ (the target's checkpoint dir plus the stages: what dsx loads), summary.json (progress,
+the teacher-forced validation figures, the export check; with --check the engine check).
+
 Examples
   GPU:   python3 train/train_dspark.py --target train/out/target/model --data train/out/data \\
              --out train/out/dspark --device cuda --max-minutes 3
-  smoke: /usr/bin/python3 train/train_dspark.py --smoke          (seconds on the CPU)
+         python3 train/eval_dspark.py --model train/out/dspark/model \\
+             --text train/out/data/heldout_code.txt --device cuda --prompts 64 --prompt-len 256 --gen-len 128
+  smoke: /usr/bin/python3 train/train_dspark.py --smoke     (CPU, ~30 s: train, export, engine check)
+
+Cost: a drafter step is ~8,400 tensor ops (forward + backward, independent of the batch:
+launch-bound on a GPU), plus one no-grad forward of the target per step; the defaults (16
+sequences x 1024 tokens, 256 blocks each) keep the GPU busy. The progress line's "block rows/s"
+gives the speed; --max-minutes ends the loop (the LR schedule follows the clock).
 """
 import argparse
 import json
@@ -348,7 +359,7 @@ def main(argv=None):
     ap.add_argument("--max-minutes", type=float, default=3.0, help="safety stop of the training loop")
     ap.add_argument("--batch", type=int, default=16, help="sequences per step")
     ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--anchors", type=int, default=128, help="anchors (blocks) per sequence")
+    ap.add_argument("--anchors", type=int, default=256, help="anchors (blocks) per sequence")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--weight-decay", type=float, default=0.0)
