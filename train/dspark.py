@@ -36,7 +36,9 @@ API
           [A, Wc] bool; returns dict z [A, B, D], base_logits [A, B, V] (+ debug tensors)
     mk = d.markov(base, z, prev [A, B])                §5.6-§5.7 with given previous tokens
     g = d.greedy(base, z, anchors)                     §5.6-§5.7 greedy walk (prev_j = d_j)
-    d.draft_at(taps, positions, anchors, n)            everything from per-position taps
+    d.draft_at(taps, anchors, n)                       everything from per-position taps
+    st = DSparkState(d); st.observe(taps, p0)          the incremental form (§5.1 rings):
+    st.draft(anchor, n) / st.truncate(p)               observe committed rows, draft, roll back
     export_tensors(d) / export_config(d)               the mtp.* tensors (release names and
                                                        storage) and the config keys
     write_model_with_stages(target_dir, out_dir, d)    a checkpoint dir = target + stages
@@ -671,6 +673,67 @@ class DSparkDrafter(nn.Module):
             f = self.markov(out["base_logits"], out["z"], forced_prev)
             out["forced_markov_logits"] = f["markov_logits"]
             out["forced_confidence_logits"] = f["confidence_logits"]
+        return out
+
+
+class DSparkState:
+    """The drafter's state of one sequence (§5.1): per stage a ring of K=V rows, the row of
+    position p in slot p mod capacity, written only for committed positions (observe); the
+    block rows never enter it, so rejected drafts need no rollback. capacity = W +
+    rollback_depth, so that truncate(p) back by up to rollback_depth positions (rows observed
+    and then rolled back) keeps every row a later anchor's window needs."""
+
+    def __init__(self, d, rollback_depth=16):
+        c = d.cfg
+        self.d = d
+        self.W = c.window
+        self.cap = c.window + max(0, int(rollback_depth))
+        dev = d.embed.device
+        self.rows = torch.zeros(c.n_stages, self.cap, c.head_dim, dtype=_F32, device=dev)
+        self.held = torch.full((self.cap,), -1, dtype=torch.long, device=dev)
+        self.end = 0
+
+    def observe(self, taps, p0):
+        """Taps [T, n_taps * D] of the committed positions p0 .. p0 + T - 1 (the target's taps of
+        those rows) into the rings; positions >= p0 observed before are forgotten first."""
+        self.truncate(p0)
+        T = taps.shape[0]
+        skip = max(0, T - self.cap)  # older rows would be overwritten anyway
+        if T - skip > 0:
+            pos = torch.arange(p0 + skip, p0 + T, device=self.rows.device)
+            with torch.no_grad():
+                rows = self.d.ring_rows(self.d.fuse(taps[skip:].to(self.rows.device)), pos)
+            slot = pos % self.cap
+            for s, r in enumerate(rows):
+                self.rows[s, slot] = r
+            self.held[slot] = pos
+        self.end = p0 + T
+
+    def truncate(self, p):
+        self.held[self.held >= p] = -1
+        self.end = min(self.end, max(p, 0))
+
+    def context(self, n):
+        """The ring rows an anchor at n sees (positions max(0, n - W) .. n - 1; missing ones are
+        holes), in slot order."""
+        if n > self.end:
+            raise ValueError("DSpark: anchor position %d but positions up to %d observed" % (n, self.end - 1))
+        want = (self.held >= max(0, n - self.W)) & (self.held < n)
+        return [self.rows[s][None] * want[None, :, None] for s in range(self.rows.shape[0])], want[None]
+
+    def draft(self, anchor, n, prev=None):
+        """§5.2-§5.7 at the anchor token at position n: greedy drafts (and, with prev [B], the
+        forced variant's Markov / confidence logits)."""
+        ctx, mask = self.context(n)
+        dev = self.rows.device
+        a = torch.tensor([int(anchor)], device=dev)
+        with torch.no_grad():
+            out = self.d.block(ctx, mask, a, torch.tensor([int(n)], device=dev))
+            out.update(self.d.greedy(out["base_logits"], out["z"], a))
+            if prev is not None:
+                f = self.d.markov(out["base_logits"], out["z"], torch.as_tensor(prev, device=dev).reshape(1, -1))
+                out["forced_markov_logits"] = f["markov_logits"]
+                out["forced_confidence_logits"] = f["confidence_logits"]
         return out
 
 

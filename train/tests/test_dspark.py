@@ -118,6 +118,28 @@ class TestExport(unittest.TestCase):
             self.assertEqual(cfg["compress_ratios"][-3:], [0, 0, 0])
             self.assertEqual(len(cfg["compress_ratios"]), cfg["num_hidden_layers"] + 3)
 
+    def test_through_the_target_exporter(self):
+        """export.export(model, ..., extra_tensors=export_tensors(d), extra_config=export_config(d))
+        (train/export.py) writes the same stages as write_model_with_stages."""
+        try:
+            import export as EX
+            import model as TM
+        except ImportError:
+            self.skipTest("train/export.py / train/model.py not present")
+        d, _ = golden_drafter()
+        cfg = DS.load_config(CASE)
+        t = cfg["text_config"]
+        t["compress_ratios"] = t["compress_ratios"][: t["num_hidden_layers"]]
+        t["num_nextn_predict_layers"] = 0
+        m = TM.V41Model(TM.Config(cfg))
+        with tempfile.TemporaryDirectory() as td:
+            EX.export(m, td, os.path.join(CASE, "tokenizer.json"), extra_tensors=DS.export_tensors(d),
+                      extra_config=DS.export_config(d))
+            d2 = DS.load_drafter(td)
+        a = dict(d.named_parameters())
+        for k, v in d2.named_parameters():
+            self.assertTrue(torch.equal(v, a[k]), k)
+
     def test_fake_quant_is_what_is_exported(self):
         """A randomly initialised drafter trained with fake-quantized weights: the exported and
         re-loaded stages compute the same block outputs, bit for bit."""
@@ -237,6 +259,26 @@ class TestProperties(unittest.TestCase):
         # forced with the greedy walk's own previous tokens = the greedy walk
         f = self.d.markov(o["base_logits"], o["z"], o["prev"])
         self.assertTrue(torch.equal(f["markov_logits"], o["markov_logits"]))
+
+    def test_incremental_state(self):
+        """observe / draft / truncate (the rings of §5.1, written in chunks as a decoder commits
+        them, with a rollback) give the batched draft_at results at every anchor of the golden."""
+        taps = self.g["taps"]
+        ns = self.g["anchor_positions"].long()
+        toks = self.g["anchor_tokens"].long()
+        with torch.no_grad():
+            ref = self.d.draft_at(taps, toks, ns)
+        st = DS.DSparkState(self.d)
+        for i, (n, a) in enumerate(zip(ns.tolist(), toks.tolist())):  # ascending anchors
+            # commit up to n in two chunks, with rejected rows observed and rolled back between
+            mid = (st.end + n) // 2
+            st.observe(taps[st.end:mid], st.end)
+            st.observe(torch.randn(3, taps.shape[1]), mid)
+            st.truncate(mid)
+            st.observe(taps[mid:n], mid)
+            o = st.draft(a, n)
+            self.assertLess(row_rel(o["base_logits"][0], ref["base_logits"][i]), 1e-6, n)
+            self.assertTrue(torch.equal(o["draft_tokens"][0], ref["draft_tokens"][i]), n)
 
     def test_anchor_position_rule(self):
         c, m = self._ctx(self.g["taps"], torch.tensor([5]))
