@@ -80,13 +80,27 @@ ModelFiles::ModelFiles(const std::string& model_dir) : dir_(model_dir) {
   std::sort(index_.begin(), index_.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
   for (size_t i = 1; i < index_.size(); ++i)
     if (index_[i].first == index_[i - 1].first) fail(model_dir, ": tensor '", index_[i].first, "' is stored twice");
-  // Fingerprint: config + each shard's header bytes.
+  // Fingerprint: config + each shard's header bytes + a sample of its tensor bytes
+  // (kSamples blocks of kSampleBytes, evenly spaced, the last one ending at the file's
+  // end): two checkpoints of one shape (a fine-tune, a re-export) differ in it, and it
+  // reads ~64 KiB per shard, not the whole model.
+  constexpr size_t kSamples = 16, kSampleBytes = 4096;
   std::vector<std::string> headers;
   for (const auto& f : files_) {
     MappedFile m(f->path());
     uint64_t hl = 0;
     std::memcpy(&hl, m.data(), 8);
-    headers.emplace_back(reinterpret_cast<const char*>(m.data()), static_cast<size_t>(8 + hl));
+    const auto* bytes = reinterpret_cast<const char*>(m.data());
+    std::string h(bytes, static_cast<size_t>(8 + hl));
+    const size_t start = static_cast<size_t>(8 + hl), size = m.size();
+    if (size > start) {
+      const size_t span = size - start, block = std::min(kSampleBytes, span);
+      for (size_t k = 0; k < kSamples; ++k) {
+        const size_t off = start + (span - block) * k / (kSamples - 1);
+        h.append(bytes + off, block);
+      }
+    }
+    headers.push_back(std::move(h));
   }
   for (const auto& h : headers) parts.emplace_back(h.data(), h.size());
   fingerprint_ = sha256_hex(parts);
