@@ -217,8 +217,7 @@ int main(int argc, char** argv) {
   }
   if (path.empty()) {
     for (const char* cand : {"../shared/golden/tokenizer/tokenizer-v3-base.json",
-                             "../../shared/golden/tokenizer/tokenizer-v3-base.json",
-                             "/work/shared/golden/tokenizer/tokenizer-v3-base.json"})
+                             "../../shared/golden/tokenizer/tokenizer-v3-base.json"})
       if (std::filesystem::exists(cand)) {
         path = cand;
         break;

@@ -26,9 +26,7 @@ sys.path.insert(0, _HERE)
 import dspark as DS  # noqa: E402
 import st as ST  # noqa: E402
 
-DEFAULT_CASE = os.path.normpath(os.path.join(_HERE, "..", "..", "shared", "golden", "deepseek_v41_dspark_tiny"))
-if not os.path.isdir(DEFAULT_CASE):
-    DEFAULT_CASE = "/work/shared/golden/deepseek_v41_dspark_tiny"
+DEFAULT_CASE = os.path.join(os.environ.get("DSX_GOLDEN_DIR") or os.path.normpath(os.path.join(_HERE, "..", "..", "shared", "golden")), "deepseek_v41_dspark_tiny")
 
 ROW_TOL = 1e-5  # README §8
 

@@ -1,8 +1,8 @@
 """Check train/model.py against the V4.1 golden case (golden README §4-§6, §8).
 
-    /usr/bin/python3 train/check_golden.py [/work/shared/golden/deepseek_v41_tiny]
-        [--cmap /work/shared/golden/tokenizer/engram-cmap-v41.safetensors]
-        [--dspark /work/shared/golden/deepseek_v41_dspark_tiny]
+    /usr/bin/python3 train/check_golden.py [../shared/golden/deepseek_v41_tiny]
+        [--cmap ../shared/golden/tokenizer/engram-cmap-v41.safetensors]
+        [--dspark ../shared/golden/deepseek_v41_dspark_tiny]
 
 Comparison rule (README §6, the engine's `dsx golden`): per-row relative L2
 ||a - b|| / ||b|| of the logits; a faithful fp32 implementation agrees on the leading rows
@@ -30,9 +30,10 @@ import torch  # noqa: E402
 import model as M  # noqa: E402
 import st  # noqa: E402
 
-GOLDEN = "/work/shared/golden/deepseek_v41_tiny"
-GOLDEN_CMAP = "/work/shared/golden/tokenizer/engram-cmap-v41.safetensors"
-GOLDEN_DSPARK = "/work/shared/golden/deepseek_v41_dspark_tiny"
+_GOLDEN_ROOT = os.environ.get("DSX_GOLDEN_DIR") or os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "golden"))  # DSX_GOLDEN_DIR or ../shared/golden beside the repo
+GOLDEN = os.path.join(_GOLDEN_ROOT, "deepseek_v41_tiny")
+GOLDEN_CMAP = os.path.join(_GOLDEN_ROOT, "tokenizer/engram-cmap-v41.safetensors")
+GOLDEN_DSPARK = os.path.join(_GOLDEN_ROOT, "deepseek_v41_dspark_tiny")
 
 
 def row_rel_l2(a, b):

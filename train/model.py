@@ -1,6 +1,6 @@
 """DeepSeek V4.1 (text backbone) in PyTorch: the project's training model.
 
-Follows /work/shared/spec/model-v41.md (section numbers below) and the golden README's
+Follows ../shared/spec/model-v41.md (section numbers below) and the golden README's
 numerics: f32 arithmetic with the model's quantization points (QA8 on every activation
 entering an FP8 / FP4 matrix, the cache fake-quantizers FQ8 / FQ4e8 / FQ4e4), weights held
 as f32 master copies and fake-quantized in the forward to their storage format (FP8 e4m3

@@ -62,9 +62,7 @@ sys.path.insert(0, _HERE)
 import dspark as DS  # noqa: E402
 import st as ST  # noqa: E402
 
-GOLDEN_CASE = os.path.normpath(os.path.join(_HERE, "..", "..", "shared", "golden", "deepseek_v41_dspark_tiny"))
-if not os.path.isdir(GOLDEN_CASE):
-    GOLDEN_CASE = "/work/shared/golden/deepseek_v41_dspark_tiny"
+GOLDEN_CASE = os.path.join(os.environ.get("DSX_GOLDEN_DIR") or os.path.normpath(os.path.join(_HERE, "..", "..", "shared", "golden")), "deepseek_v41_dspark_tiny")
 
 GOLDEN_ROOT = os.path.dirname(GOLDEN_CASE)
 GOLDEN_TARGET = os.path.join(GOLDEN_ROOT, "deepseek_v41_tiny")  # a random V4.1 target (T's model runs it)

@@ -53,8 +53,9 @@ import model as M  # noqa: E402
 import st  # noqa: E402
 
 REPO = os.path.dirname(HERE)
-GOLDEN_TOK = "/work/shared/golden/tokenizer/tokenizer-v41.json"
-GOLDEN_CMAP = "/work/shared/golden/tokenizer/engram-cmap-v41.safetensors"
+_GOLDEN_ROOT = os.environ.get("DSX_GOLDEN_DIR") or os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "golden"))  # DSX_GOLDEN_DIR or ../shared/golden beside the repo
+GOLDEN_TOK = os.path.join(_GOLDEN_ROOT, "tokenizer/tokenizer-v41.json")
+GOLDEN_CMAP = os.path.join(_GOLDEN_ROOT, "tokenizer/engram-cmap-v41.safetensors")
 
 
 # ---------------------------------------------------------------------------------------

@@ -45,7 +45,8 @@ from typing import Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
-GOLDEN_TOKENIZER = "/work/shared/golden/tokenizer/tokenizer-v41.json"
+_GOLDEN_ROOT = os.environ.get("DSX_GOLDEN_DIR") or os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "shared", "golden"))  # DSX_GOLDEN_DIR or ../shared/golden beside the repo
+GOLDEN_TOKENIZER = os.path.join(_GOLDEN_ROOT, "tokenizer/tokenizer-v41.json")
 BOS = "<\uff5cbegin\u2581of\u2581sentence\uff5c>"
 
 SETTINGS = {

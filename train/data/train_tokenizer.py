@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Trains the project's byte-level BPE tokenizer and writes train/out/tokenizer.json.
 
-The result keeps everything of the V4.1 tokenizer (/work/shared/golden/tokenizer/
+The result keeps everything of the V4.1 tokenizer (../shared/golden/tokenizer/
 tokenizer-v41.json) except the BPE model: the same normalizer, pre-tokenizer,
 post-processor and decoder, and every added token with the same content and flags
 (special, normalized, lstrip, rstrip, single_word), so dsx's renderer, DSML parser and
@@ -32,7 +32,8 @@ sys.path.insert(0, HERE)
 import bpe  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(HERE))
-GOLDEN = "/work/shared/golden/tokenizer/tokenizer-v41.json"
+_GOLDEN_ROOT = os.environ.get("DSX_GOLDEN_DIR") or os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "shared", "golden"))  # DSX_GOLDEN_DIR or ../shared/golden beside the repo
+GOLDEN = os.path.join(_GOLDEN_ROOT, "tokenizer/tokenizer-v41.json")
 BOS = "<\uff5cbegin\u2581of\u2581sentence\uff5c>"
 
 SETTINGS = {

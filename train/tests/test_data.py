@@ -28,7 +28,8 @@ import classics  # noqa: E402
 import dsml_lite  # noqa: E402
 import jsonschema_lite  # noqa: E402
 
-GOLDEN_DIR = "/work/shared/golden/tokenizer"
+_GOLDEN_ROOT = os.environ.get("DSX_GOLDEN_DIR") or os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "shared", "golden"))  # DSX_GOLDEN_DIR or ../shared/golden beside the repo
+GOLDEN_DIR = os.path.join(_GOLDEN_ROOT, "tokenizer")
 GOLDEN_V41 = os.path.join(GOLDEN_DIR, "tokenizer-v41.json")
 GOLDEN_V3 = os.path.join(GOLDEN_DIR, "tokenizer-v3-base.json")
 GOLDEN_CASES = os.path.join(GOLDEN_DIR, "cases.jsonl")

@@ -24,12 +24,10 @@ try:
 except ImportError:  # pragma: no cover
     HAVE_TORCH = False
 
-GOLDEN_ROOT = os.path.normpath(os.path.join(REPO, "..", "shared", "golden"))
-if not os.path.isdir(GOLDEN_ROOT):
-    GOLDEN_ROOT = "/work/shared/golden"
+GOLDEN_ROOT = os.environ.get("DSX_GOLDEN_DIR") or os.path.normpath(os.path.join(REPO, "..", "shared", "golden"))
 CASE = os.path.join(GOLDEN_ROOT, "deepseek_v41_dspark_tiny")
 TINY = os.path.join(GOLDEN_ROOT, "deepseek_v41_tiny")
-DSX = os.path.join(REPO, "build-cpu", "dsx")
+DSX = os.environ.get("DSX", os.path.join(REPO, "build-cpu", "dsx"))
 HAVE_CASE = os.path.exists(os.path.join(CASE, "dspark_golden.safetensors"))
 
 if HAVE_TORCH:

@@ -23,11 +23,12 @@ try:
 except ImportError:  # pragma: no cover
     HAVE_TORCH = False
 
-GOLDEN = "/work/shared/golden/deepseek_v41_tiny"
-GOLDEN_DSPARK = "/work/shared/golden/deepseek_v41_dspark_tiny"
-GOLDEN_TOK = "/work/shared/golden/tokenizer/tokenizer-v41.json"
-GOLDEN_CMAP = "/work/shared/golden/tokenizer/engram-cmap-v41.safetensors"
-DSX = os.path.join(REPO, "build-cpu", "dsx")
+_GOLDEN_ROOT = os.environ.get("DSX_GOLDEN_DIR") or os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "shared", "golden"))  # DSX_GOLDEN_DIR or ../shared/golden beside the repo
+GOLDEN = os.path.join(_GOLDEN_ROOT, "deepseek_v41_tiny")
+GOLDEN_DSPARK = os.path.join(_GOLDEN_ROOT, "deepseek_v41_dspark_tiny")
+GOLDEN_TOK = os.path.join(_GOLDEN_ROOT, "tokenizer/tokenizer-v41.json")
+GOLDEN_CMAP = os.path.join(_GOLDEN_ROOT, "tokenizer/engram-cmap-v41.safetensors")
+DSX = os.environ.get("DSX", os.path.join(REPO, "build-cpu", "dsx"))
 HAVE_GOLDEN = os.path.exists(os.path.join(GOLDEN, "golden.safetensors"))
 
 if HAVE_TORCH:
