@@ -48,6 +48,9 @@ void usage() {
       "                         (default $XDG_CACHE_HOME/dsx/kv, else ~/.cache/dsx/kv; docs/kv-cache.md)\n"
       "  --kv-cache-size BYTES  its byte budget, e.g. 8G, 512M (8G); least recently used entries go first\n"
       "  --no-kv-cache          no disk cache\n"
+      "  --no-lazy-tool-grammar with tool_choice auto, decode tool calls freely (by default, once the model\n"
+      "                         opens a DSML tool-call block, the calls are constrained to the request's\n"
+      "                         tools and their parameter schemas)\n"
       "  --quiet                no request log lines\n"
       "  -h, --help             this text\n");
 }
@@ -66,7 +69,7 @@ int cmd_serve(int argc, char** argv) {
          {"-m", "--host", "--port", "--api-key", "--ctx", "--sessions", "--backend", "--precision", "--threads",
           "--model-id", "--effort", "--max-body", "--keepalive", "--thinking", "--max-output", "--kv-cache",
           "--kv-cache-size"},
-         {"--quiet", "--no-kv-cache", "-h", "--help"});
+         {"--quiet", "--no-kv-cache", "--no-lazy-tool-grammar", "-h", "--help"});
   if (a.has("-h") || a.has("--help")) {
     usage();
     return 0;
@@ -85,6 +88,7 @@ int cmd_serve(int argc, char** argv) {
   so.thinking = a.get_or("--thinking", "auto");
   if (so.thinking != "auto" && so.thinking != "on" && so.thinking != "off") fail("--thinking must be auto, on or off");
   so.max_output = a.get_int("--max-output", 0);
+  so.lazy_tool_grammar = !a.has("--no-lazy-tool-grammar");
   so.scheduler.max_sessions = static_cast<int>(a.get_int("--sessions", 4));
   so.scheduler.keepalive_seconds = a.get_double("--keepalive", 5.0);
   so.scheduler.log_requests = !a.has("--quiet");

@@ -140,9 +140,10 @@ bool lower_hex(uint8_t c, int& v) {
 struct TrieNode {
   std::vector<std::pair<Sym, int32_t>> kids;
   int32_t alt = -1;  // an alternative's head ends here
+  uint64_t below = 0;  // PObj tries: the alternatives whose heads pass through this node (bit per alternative)
 };
 
-enum class K : uint8_t { Seq, Lit, Choice, Text, JStr, Num, Obj, Arr, GObj, Union };
+enum class K : uint8_t { Seq, Lit, Choice, Text, JStr, Num, Obj, Arr, GObj, Union, PObj };
 
 struct Node {
   K kind = K::Lit;
@@ -158,6 +159,10 @@ struct Node {
   int32_t pats = -1;             // Text / JStr: forbidden byte patterns (index into Grammar::patsets)
   int32_t marker_at = 0;         // Text: index of the terminator's first marker
   bool integer = false;          // Num
+  // Seq / Choice (lazy tool grammar): the last child / the continuation replaces this frame (a tail call, so
+  // that a repetition built by recursion keeps the stack bounded)
+  bool tail = false;
+  uint32_t req = 0;              // PObj: required properties (bit per property)
 };
 
 // Runtime frame. Meaning of a..d per kind:
@@ -169,7 +174,9 @@ struct Node {
 //   Obj: a = next property index (last emitted + 1), b = trie node, c = chosen property, d = 1 in its value;
 //   Arr: a = phase (0 '[', 1 after '[', 2 after an item, 3 after ','), b = items;
 //   GObj: a = phase (0 '{', 1 after '{', 2 in a key, 3 ':', 4 ' ', 5 in a value, 6 after a value, 7 after ','),
-//         b = members.
+//         b = members;
+//   PObj (properties in any order, each at most once): a = emitted properties (bits), b = trie node,
+//         c = chosen property, d = 1 in its value.
 struct Frame {
   int32_t node, a, b, c, d;
 };
@@ -204,7 +211,7 @@ struct Grammar {
     const Node& g = nodes[static_cast<size_t>(node)];
     if (g.kind == K::Seq) enter(s, g.kids[0]);
     else if (g.kind == K::Choice) f.a = g.trie;
-    else if (g.kind == K::Obj) f.b = g.tries[0];
+    else if (g.kind == K::Obj || g.kind == K::PObj) f.b = g.tries[0];
   }
 
   void complete(State& s) const {
@@ -217,13 +224,25 @@ struct Grammar {
     const Node& g = nodes[static_cast<size_t>(f.node)];
     switch (g.kind) {
       case K::Seq:
-        if (++f.a == static_cast<int32_t>(g.kids.size())) complete(s);
-        else enter(s, g.kids[static_cast<size_t>(f.a)]);
+        if (++f.a == static_cast<int32_t>(g.kids.size())) {
+          complete(s);
+        } else if (g.tail && f.a + 1 == static_cast<int32_t>(g.kids.size())) {
+          const int32_t last = g.kids[static_cast<size_t>(f.a)];
+          --s.n;
+          enter(s, last);
+        } else {
+          enter(s, g.kids[static_cast<size_t>(f.a)]);
+        }
         break;
       case K::Choice: complete(s); break;
       case K::Obj:
         f.a = f.c + 1;
         f.b = g.tries[static_cast<size_t>(f.a)];
+        f.d = 0;
+        break;
+      case K::PObj:
+        f.a |= int32_t(1) << f.c;
+        f.b = g.tries[1];
         f.d = 0;
         break;
       case K::Arr:
@@ -268,6 +287,22 @@ struct Grammar {
       }
     used = false;
     return t.alt >= 0 ? t.alt : -2;  // a complete head that others extend: x belongs to what follows
+  }
+
+  // trie_step restricted to the alternatives in `allowed` (bits): a step into a subtree without an allowed
+  // alternative is rejected, so the restriction never leads into a dead end.
+  int trie_step_masked(int32_t& at, Sym x, bool& used, uint64_t allowed) const {
+    const TrieNode& t = trie[static_cast<size_t>(at)];
+    for (const auto& [sym, child] : t.kids)
+      if (sym == x) {
+        const TrieNode& c = trie[static_cast<size_t>(child)];
+        if (!(c.below & allowed)) return -2;
+        at = child;
+        used = true;
+        return c.alt >= 0 && c.kids.empty() ? c.alt : -1;
+      }
+    used = false;
+    return t.alt >= 0 && ((allowed >> t.alt) & 1) ? t.alt : -2;
   }
 
   // Text and JStr steps touch only their own frame (so the scan can simulate a token on a frame copy).
@@ -413,6 +448,9 @@ struct Grammar {
         const int32_t then = g.kids[static_cast<size_t>(r)];
         if (then < 0) {
           complete(s);
+        } else if (g.tail) {
+          --s.n;
+          enter(s, then);
         } else {
           f.b = 1;
           enter(s, then);
@@ -425,6 +463,24 @@ struct Grammar {
         if (r == -2) return kReject;
         if (r == -1) return kConsumed;
         if (r == static_cast<int>(g.kids.size())) {
+          complete(s);
+        } else {
+          f.c = r;
+          f.d = 1;
+          enter(s, g.kids[static_cast<size_t>(r)]);
+        }
+        return used ? kConsumed : kRetry;
+      }
+      case K::PObj: {
+        const int np = static_cast<int>(g.kids.size());
+        const uint32_t emitted = static_cast<uint32_t>(f.a);
+        uint64_t allowed = (~uint64_t(emitted)) & ((uint64_t(1) << np) - 1);
+        if ((emitted & g.req) == g.req) allowed |= uint64_t(1) << np;
+        bool used = false;
+        const int r = trie_step_masked(f.b, x, used, allowed);
+        if (r == -2) return kReject;
+        if (r == -1) return kConsumed;
+        if (r == np) {
           complete(s);
         } else {
           f.c = r;
@@ -1018,8 +1074,8 @@ class Builder {
     return choice(branches);
   }
 
-  // From after `name="NAME">\n` to the invoke closer.
-  int32_t params(const text::ToolSpec& tool) {
+  // From after `name="NAME">\n` to the invoke closer; any_order: the properties in any order (lazy grammar).
+  int32_t params(const text::ToolSpec& tool, bool any_order = false) {
     const Value* p = tool.function.get("parameters");
     ref_root = p;
     const Props pr = props_of(resolve(p));
@@ -1036,7 +1092,61 @@ class Builder {
       values.push_back(dsml_value(pr.schemas[i]));
     }
     const std::vector<Sym> end = trusted("\n</" + d + names_.invoke + ">");
+    if (any_order) return pobj(h0, h1, end, pr.required, std::move(values));
     return obj(h0, h1, end, end, pr.required, std::move(values));
+  }
+
+  // Properties in any order, each at most once, the required ones all before `end`.
+  int32_t pobj(const std::vector<std::vector<Sym>>& heads0, const std::vector<std::vector<Sym>>& heads1,
+               const std::vector<Sym>& end, const std::vector<bool>& required, std::vector<int32_t> values) {
+    const int np = static_cast<int>(values.size());
+    DSX_CHECK(np <= 30, "constrained decoding: more than 30 parameters in a tool (lazy grammar)");
+    Node n;
+    n.kind = K::PObj;
+    n.kids = std::move(values);
+    for (int i = 0; i < np; ++i)
+      if (required[static_cast<size_t>(i)]) n.req |= uint32_t(1) << i;
+    for (int j = 0; j < 2; ++j) {
+      std::vector<std::vector<Sym>> heads = j == 0 ? heads0 : heads1;
+      std::vector<int32_t> alts;
+      for (int i = 0; i < np; ++i) alts.push_back(i);
+      heads.push_back(end);
+      alts.push_back(np);
+      const size_t first = G.trie.size();
+      n.tries.push_back(trie_of(heads, alts));
+      for (size_t k = G.trie.size(); k-- > first;) {  // (children come after their parents)
+        TrieNode& t = G.trie[k];
+        t.below = t.alt >= 0 ? uint64_t(1) << t.alt : 0;
+        for (const auto& kc : t.kids) t.below |= G.trie[static_cast<size_t>(kc.second)].below;
+      }
+    }
+    return add(std::move(n));
+  }
+
+  // Lazy grammar, from right after the DSML marker of the block opener "<｜DSML｜ calls>" to the block closer:
+  // one or more invokes of the tools, parameters in any order.
+  int32_t lazy_block(const std::vector<const text::ToolSpec*>& tools) {
+    const std::string d = text::tok::kDsml;
+    const int32_t more = add(Node{});  // (filled in below: it and the invokes refer to each other)
+    std::vector<std::pair<std::vector<Sym>, int32_t>> alts;
+    for (const text::ToolSpec* t : tools) {
+      Node sq;
+      sq.kind = K::Seq;
+      sq.tail = true;
+      sq.kids = {params(*t, true), more};
+      alts.emplace_back(join(client(t->name), trusted("\">\n")), add(std::move(sq)));
+    }
+    const int32_t names = choice(alts);
+    G.nodes[static_cast<size_t>(names)].tail = true;
+    const int32_t m = choice({{trusted("\n<" + d + names_.invoke + " name=\""), names},
+                              {trusted("\n</" + d + names_.block + ">"), -1}});
+    G.nodes[static_cast<size_t>(more)] = G.nodes[static_cast<size_t>(m)];
+    G.nodes[static_cast<size_t>(more)].tail = true;
+    Node root;
+    root.kind = K::Seq;
+    root.tail = true;
+    root.kids = {lit(trusted(std::string(names_.block) + ">\n<" + d + names_.invoke + " name=\"")), names};
+    return add(std::move(root));
   }
 
   int32_t tool_block(const std::vector<const text::ToolSpec*>& tools, bool thinking) {
@@ -1071,8 +1181,11 @@ class Builder {
 // ---- 4. the constraint --------------------------------------------------------------------------------
 class GrammarConstraint final : public Constraint {
  public:
-  GrammarConstraint(const Tokenizer& tok, std::shared_ptr<const Vocab> v, Grammar g)
-      : tok_(tok), V(std::move(v)), G(std::move(g)) {
+  // natural: a forced run that ends where the grammar branches is forced only up to its last marker; the bytes
+  // after it are left to the model (through the mask), so that it may write them with the tokens it would
+  // choose itself (one token can span the branch point, e.g. ">\n</" before a closer).
+  GrammarConstraint(const Tokenizer& tok, std::shared_ptr<const Vocab> v, Grammar g, bool natural = false)
+      : tok_(tok), V(std::move(v)), G(std::move(g)), natural_(natural) {
     G.enter(cur_, G.root);
     mask_.assign(V->size, 0);
     plan();
@@ -1131,6 +1244,15 @@ class GrammarConstraint final : public Constraint {
       while (!a[x]) ++x;
       run.push_back(x);
       G.feed(s, x);
+    }
+    if (natural_ && s.n > 0 && !run.empty()) {
+      size_t keep = 0;
+      for (size_t k = 0; k < run.size(); ++k)
+        if (run[k] >= 256) keep = k + 1;
+      if (keep < run.size()) {
+        run.resize(keep);
+        have_first_ = false;
+      }
     }
     if (run.empty()) return;
     std::string bytes;
@@ -1253,9 +1375,76 @@ class GrammarConstraint final : public Constraint {
   std::vector<TextMask> text_masks_;
   SymSet first_;
   bool have_first_ = false;
+  bool natural_ = false;
+};
+
+// tool_choice "auto": free decoding (passive) until the trigger, then the lazy tool grammar.
+class LazyToolConstraint final : public Constraint {
+ public:
+  LazyToolConstraint(const Tokenizer& tok, std::shared_ptr<const Vocab> v, Grammar g, bool thinking)
+      : tok_(tok), V(v), calls_(tok, std::move(v), std::move(g), true), phase_(thinking ? kReasoning : kContent) {}
+
+  bool passive() const override { return phase_ != kCalls; }
+  void observe(int32_t t) override {
+    DSX_CHECK(phase_ != kCalls, "constrained decoding: observe() after the tool-call trigger");
+    if (t < 0 || static_cast<size_t>(t) >= V->size) return;
+    if (phase_ == kReasoning) {
+      if (t == V->marker_id[1]) phase_ = kContent;  // </think>
+      return;
+    }
+    if (t == V->marker_id[0] && last_ == "<") {  // "<｜DSML｜": a block opener begins (not "</｜DSML｜")
+      phase_ = kCalls;
+      return;
+    }
+    std::string b;
+    if (t == V->marker_id[0] || t == V->marker_id[2]) {
+      b = kMarkerText[t == V->marker_id[0] ? 0 : 2];
+    } else {
+      try {
+        b = tok_.decode_one(t);
+      } catch (const std::exception&) {
+      }
+    }
+    if (!b.empty()) last_ = std::string(1, b.back());  // (after "</" it is '/': a closer is no trigger)
+  }
+  bool needs_logits() const override { return phase_ != kCalls || calls_.needs_logits(); }
+  bool done() const override { return phase_ == kCalls && calls_.done(); }
+  int32_t next(float* logits, int64_t vocab, const std::function<int32_t(const float*, int64_t)>& pick) override {
+    if (phase_ == kCalls) return calls_.next(logits, vocab, pick);
+    DSX_CHECK(logits && vocab > 0, "constrained decoding: this step needs logits");
+    int32_t t = pick(logits, vocab);
+    observe(t);
+    return t;
+  }
+
+ private:
+  enum Phase { kReasoning, kContent, kCalls };
+  const Tokenizer& tok_;
+  std::shared_ptr<const Vocab> V;
+  GrammarConstraint calls_;
+  Phase phase_;
+  std::string last_;
 };
 
 }  // namespace
+
+std::unique_ptr<Constraint> lazy_tool_constraint(const text::Tokenizer& tok, const std::vector<text::ToolSpec>& tools,
+                                                 text::Profile profile, bool thinking, ConstraintLimits lim) {
+  std::vector<const text::ToolSpec*> usable;
+  for (const auto& t : tools)
+    if (!t.name.empty() && t.name.find('"') == std::string::npos) usable.push_back(&t);
+  if (usable.empty()) return nullptr;
+  auto v = vocab_for(tok);
+  Grammar g;
+  try {
+    Builder b(g, *v, tok, lim);
+    b.set_dsml(profile);
+    g.root = b.lazy_block(usable);
+  } catch (const Error&) {
+    return nullptr;  // (a schema the grammar cannot express: decode freely)
+  }
+  return std::make_unique<LazyToolConstraint>(tok, std::move(v), std::move(g), thinking);
+}
 
 std::unique_ptr<Constraint> tool_call_constraint(const text::Tokenizer& tok, const std::vector<text::ToolSpec>& tools,
                                                  const std::string& choice, text::Profile profile, bool thinking,

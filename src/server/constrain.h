@@ -60,6 +60,17 @@
 //     uniqueItems, …) are not enforced; free-form objects may repeat a key.
 //   Inside a DSML value, JSON strings also never contain the parameter closer bytes (nor its escaped form);
 //   in response_format content they never contain the EOS text (the parser would end the content there).
+// Lazy tool grammar (tool_choice "auto" with tools; llama.cpp calls this a lazy grammar): the completion is
+// free (the constraint is passive: the caller picks as usual and reports each token with observe()) until, in
+// the content (after </think> when thinking), the model picks the "｜DSML｜" marker token right after a '<'
+// byte, i.e. starts the block opener "<｜DSML｜ calls>". From the marker's end on the constraint steers:
+//   NAMES_REST ">\n<｜DSML｜ invoke name=\"" INVOKE ("\n<｜DSML｜ invoke name=\"" INVOKE)* "\n</｜DSML｜ calls>"
+//   INVOKE = NAME "\">\n" PARAMS' "\n</｜DSML｜ invoke>"
+// (NAMES_REST: " calls" / "tool_calls" per profile), NAME one of the tools' names, PARAMS' as PARAMS above but
+// the properties in any order (each at most once, the required ones all present), so that a call already
+// written in the renderer's form, whatever its argument order, is never changed. The completion ends after
+// the block closer (done()). Tools whose name contains '"' are left out; nullptr when no tool can be written
+// or a schema cannot be compiled (then the completion is decoded freely).
 // response_format grammar: [REASONING "</think>"] VALUE EOS — the EOS token ends the completion (the
 // scheduler stops at EOS); done() is true after it.
 #pragma once
@@ -86,6 +97,10 @@ class Constraint {
   virtual bool needs_logits() const = 0;
   virtual int32_t next(float* logits, int64_t vocab, const std::function<int32_t(const float*, int64_t)>& pick) = 0;
   virtual bool done() const = 0;  // the constrained output is complete: the scheduler ends the completion
+  // Passive (the lazy tool grammar before its trigger): the caller may pick this step's token itself, from
+  // the unmodified logits (on the device), and must then report it with observe() instead of calling next().
+  virtual bool passive() const { return false; }
+  virtual void observe(int32_t /*token*/) {}
 };
 
 struct ConstraintLimits {
@@ -101,6 +116,10 @@ struct ConstraintLimits {
 std::unique_ptr<Constraint> tool_call_constraint(const text::Tokenizer& tok, const std::vector<text::ToolSpec>& tools,
                                                  const std::string& choice, text::Profile profile, bool thinking,
                                                  ConstraintLimits lim = {});
+
+// tool_choice "auto" with tools: the lazy tool grammar above (nullptr: no constraint).
+std::unique_ptr<Constraint> lazy_tool_constraint(const text::Tokenizer& tok, const std::vector<text::ToolSpec>& tools,
+                                                 text::Profile profile, bool thinking, ConstraintLimits lim = {});
 
 // response_format {type: "json_schema", json_schema: {schema}} (also {type: "json_schema", schema}, the
 // Responses API text.format shape) or {type: "json_object"}: the content is one JSON value valid against the

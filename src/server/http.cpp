@@ -320,6 +320,14 @@ void HttpServer::routes() {
           job->constraint = tool_call_constraint(tok_, g.conv.tools, g.tool_choice, ro.profile, g.thinking, lim);
         else if (g.response_format)
           job->constraint = json_constraint(tok_, *g.response_format, g.thinking, lim);
+        else if (o_.lazy_tool_grammar && g.tools_enabled && !g.conv.tools.empty() && g.tool_choice == "auto") {
+          // (no string / item caps: a call the model writes validly is never cut short)
+          ConstraintLimits lazy;
+          lazy.max_string_tokens = static_cast<int>(std::min<int64_t>(job->max_tokens, 1 << 30));
+          lazy.max_items = 1 << 20;
+          lazy.max_number_chars = 64;
+          job->constraint = lazy_tool_constraint(tok_, g.conv.tools, ro.profile, g.thinking, lazy);
+        }
       } catch (const Error& e) {
         return reject(ApiError{400, "invalid_request_error", e.what(), "", ""});
       }

@@ -31,6 +31,7 @@ struct ServeOptions {
   int threads = 32;                  // HTTP worker threads (concurrent connections)
   std::string thinking = "auto";     // auto: as each request asks; on / off: the operator decides
   int64_t max_output = 0;            // > 0: at most this many generated tokens per request
+  bool lazy_tool_grammar = true;     // tool_choice auto: constrain a tool-call block once the model opens one
   SchedulerOptions scheduler;
 };
 

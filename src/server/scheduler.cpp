@@ -442,6 +442,7 @@ void Scheduler::decode_step(std::vector<Active*>& ds) {
     in[i] = a.anchor;
     const bool greedy = a.job->sampling.temperature <= 0.0f;
     Constraint* c = a.job->constraint.get();
+    if (c && c->passive()) c = nullptr;  // (a lazy constraint before its trigger: decoded as usual)
     // a constrained job needs the logits on the host (or nothing, when its next token is forced)
     const bool want_logits = c ? c->needs_logits() : !greedy;
     if (want_logits) a.logits.resize(static_cast<size_t>(V));
@@ -460,7 +461,8 @@ void Scheduler::decode_step(std::vector<Active*>& ds) {
   for (size_t i = 0; i < ds.size(); ++i) {
     Active& a = *ds[i];
     int32_t t;
-    if (Constraint* c = a.job->constraint.get()) {
+    Constraint* c = a.job->constraint.get();
+    if (c && !c->passive()) {
       const bool greedy = a.job->sampling.temperature <= 0.0f;
       Sampler& smp = *a.sampler;
       t = c->next(c->needs_logits() ? a.logits.data() : nullptr, V, [&](const float* l, int64_t n) {
@@ -468,6 +470,7 @@ void Scheduler::decode_step(std::vector<Active*>& ds) {
       });
     } else {
       t = picks[i] >= 0 ? picks[i] : a.sampler->sample(a.logits.data(), V);
+      if (c) c->observe(t);
     }
     a.anchor = t;
     ++a.generated;
