@@ -1181,9 +1181,9 @@ class Builder {
 // ---- 4. the constraint --------------------------------------------------------------------------------
 class GrammarConstraint final : public Constraint {
  public:
-  // natural: a forced run that ends where the grammar branches is forced only up to its last marker; the bytes
-  // after it are left to the model (through the mask), so that it may write them with the tokens it would
-  // choose itself (one token can span the branch point, e.g. ">\n</" before a closer).
+  // natural: only marker symbols are forced; deterministic bytes are left to the model (through the mask, which
+  // then allows just the tokens that spell a prefix of them), so that it writes them with the tokens it would
+  // choose itself (a token may span a branch point, e.g. ">\n</" before a closer, or "}</" — or not).
   GrammarConstraint(const Tokenizer& tok, std::shared_ptr<const Vocab> v, Grammar g, bool natural = false)
       : tok_(tok), V(std::move(v)), G(std::move(g)), natural_(natural) {
     G.enter(cur_, G.root);
@@ -1245,10 +1245,9 @@ class GrammarConstraint final : public Constraint {
       run.push_back(x);
       G.feed(s, x);
     }
-    if (natural_ && s.n > 0 && !run.empty()) {
+    if (natural_) {
       size_t keep = 0;
-      for (size_t k = 0; k < run.size(); ++k)
-        if (run[k] >= 256) keep = k + 1;
+      while (keep < run.size() && run[keep] >= 256) ++keep;
       if (keep < run.size()) {
         run.resize(keep);
         have_first_ = false;
