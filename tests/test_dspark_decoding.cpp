@@ -982,10 +982,12 @@ TEST(DSparkDecoding, CliDSparkOption) {
   EXPECT_NE(log.find("--dspark off|on|static K"), std::string::npos) << log;
   EXPECT_EQ(run(dsx + " run --help", &log), 0);
   EXPECT_NE(log.find("--dspark off|on|static K"), std::string::npos) << log;
-  // a model without stages: plain decoding, said once
+  // a model without stages: plain decoding, silently by default, said once when asked for
   const std::string plain = dsx_test::golden_dir() + "/deepseek_v41_tiny";
   if (std::filesystem::exists(plain + "/config.json")) {
     ASSERT_EQ(run(dsx + " generate -m " + plain + " --ids " + ids + " -n 4", &log), 0) << log;
+    EXPECT_EQ(log.find("DSpark"), std::string::npos) << log;
+    ASSERT_EQ(run(dsx + " generate -m " + plain + " --ids " + ids + " -n 4 --dspark on", &log), 0) << log;
     const size_t at = log.find("model has no DSpark stages: plain decoding");
     EXPECT_NE(at, std::string::npos) << log;
     EXPECT_EQ(log.find("model has no DSpark stages", at + 1), std::string::npos) << log;

@@ -67,13 +67,13 @@ DSparkSetup setup_dspark(const DSparkChoice& c, const std::string& dir, const En
   DSparkSetup s;
   if (c.mode == DSparkChoice::Mode::Off) return s;
   std::string why;
+  // (the default is silent: plain decoding is what a model without stages, or a CUDA
+  // engine until the CUDA drafter exists, is expected to do; an explicit request says why not)
   if (!dspark_available(dir, &why)) {
-    std::fprintf(stderr, "model has no DSpark stages: plain decoding\n");
+    if (c.mode != DSparkChoice::Mode::Default) std::fprintf(stderr, "model has no DSpark stages: plain decoding\n");
     return s;
   }
   if (c.mode == DSparkChoice::Mode::Default && eng.backend_name() != "cpu") {
-    std::fprintf(stderr, "DSpark: the drafter runs on the CPU only so far: plain decoding on %s (--dspark on to draft)\n",
-                 eng.backend_name().c_str());
     return s;
   }
   s.drafter = DSparkDrafter::load(dir);

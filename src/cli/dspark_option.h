@@ -5,7 +5,7 @@
 // Default (no --dspark): on when the model has DSpark stages and the engine is the CPU
 // one (the drafter computes on the CPU; on CUDA a CPU drafter costs more than it saves
 // until the CUDA drafter exists: `--dspark on` forces it). A model without stages runs
-// plain decoding and says so once on stderr, unless --dspark off was given.
+// plain decoding, silently; with an explicit --dspark on / static K it says so once.
 #pragma once
 #include <memory>
 #include <string>
