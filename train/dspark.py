@@ -767,15 +767,8 @@ def window_index(n, W, slot_order=True):
 def _read_model_tensors(model_dir, want=None):
     """name -> raw storage tensor of every tensor of a model dir (model.safetensors or the
     shards of model.safetensors.index.json); want: a predicate on names."""
-    idx = os.path.join(model_dir, "model.safetensors.index.json")
-    files = []
-    if os.path.exists(idx):
-        with open(idx) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
     out = {}
-    for fn in files:
+    for fn in ST.checkpoint_files(model_dir):
         hdr = ST.read_header(os.path.join(model_dir, fn))
         names = [k for k in hdr if k != "__metadata__" and (want is None or want(k))]
         if not names:
@@ -904,11 +897,7 @@ def write_model_with_stages(target_dir, out_dir, d, cmap_file=None):
     cfg = load_config(target_dir)
     t = text_config(cfg)
     t.update(export_config(d))
-    weight_files = {"model.safetensors", "model.safetensors.index.json"}
-    idx = os.path.join(target_dir, "model.safetensors.index.json")
-    if os.path.exists(idx):
-        with open(idx) as f:
-            weight_files |= set(json.load(f)["weight_map"].values())
+    weight_files = {"model.safetensors", "model.safetensors.index.json"} | set(ST.checkpoint_files(target_dir))
     for fn in os.listdir(target_dir):  # tokenizer.json, engram_cmap.safetensors, ...
         src = os.path.join(target_dir, fn)
         if fn in weight_files or fn == "config.json" or not os.path.isfile(src):
@@ -937,10 +926,7 @@ def _raw_entry(model_dir, name, v):
     """(dtype, shape, bytes) of a uint8-stored tensor, keeping its storage dtype string."""
     if model_dir not in _HDR_CACHE:
         h = {}
-        idx = os.path.join(model_dir, "model.safetensors.index.json")
-        files = (sorted(set(json.load(open(idx))["weight_map"].values())) if os.path.exists(idx) else
-                 ["model.safetensors"])
-        for fn in files:
+        for fn in ST.checkpoint_files(model_dir):
             for k, info in ST.read_header(os.path.join(model_dir, fn)).items():
                 if k != "__metadata__":
                     h[k] = info["dtype"]

@@ -1212,15 +1212,8 @@ def load_checkpoint_tensors(model_dir):
     """Read model.safetensors (or the shards of model.safetensors.index.json) and dequantize
     every quantized pair to f32: {name: f32 tensor} (scales folded)."""
     import st as ST
-    files = []
-    idx = os.path.join(model_dir, "model.safetensors.index.json")
-    if os.path.exists(idx):
-        with open(idx) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
     raw, dtypes = {}, {}
-    for fn in files:
+    for fn in ST.checkpoint_files(model_dir):
         p = os.path.join(model_dir, fn)
         t, _ = ST.read_safetensors(p)
         h = ST.read_header(p)

@@ -20,6 +20,7 @@ API (stable; other modules import it):
           ("F8_E4M3", [n, k], b) / ("F8_E8M0", ...) / ("I8", ...).
 """
 import json
+import os
 import struct
 
 import numpy as np
@@ -56,6 +57,16 @@ _TORCH_TO_ST = {
 
 _ELEM = {"F32": 4, "F64": 8, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
          "BOOL": 1, "F8_E4M3": 1, "F8_E8M0": 1}
+
+
+def checkpoint_files(model_dir):
+    """The safetensors files of a checkpoint directory, as names inside it: the shards of
+    model.safetensors.index.json (sorted), or model.safetensors."""
+    idx = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(idx):
+        with open(idx) as f:
+            return sorted(set(json.load(f)["weight_map"].values()))
+    return ["model.safetensors"]
 
 
 def read_header(path):
