@@ -2,12 +2,9 @@
 // log-likelihood, perplexity, bits per byte); dsx engram-cmap: the Engram compressed
 // token map of a tokenizer, written as the golden's engram-cmap safetensors (for the
 // training code, which must hash n-grams exactly as the engine does).
-#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstring>
-#include <fstream>
 #include <iostream>
 #include <memory>
 #include <sstream>
@@ -19,6 +16,7 @@
 #include "text/engram_cmap.h"
 #include "text/tokenizer.h"
 #include "util/error.h"
+#include "util/mmap_file.h"
 #include "util/safetensors.h"
 #include "util/threadpool.h"
 
@@ -53,17 +51,12 @@ void perplexity_usage() {
       "  -h, --help          this text\n");
 }
 
-std::string read_file_bytes(const std::string& path) {
-  if (path == "-") {
-    std::ostringstream ss;
-    ss << std::cin.rdbuf();
-    return std::move(ss).str();
-  }
-  std::ifstream f(path, std::ios::binary);
-  if (!f) fail("cannot open ", path, ": ", std::strerror(errno));
+// The text: a file (util's reader) or standard input.
+std::string read_input(const std::string& path) {
+  if (path != "-") return read_text_file(path);
   std::ostringstream ss;
-  ss << f.rdbuf();
-  if (f.bad()) fail("cannot read ", path);
+  ss << std::cin.rdbuf();
+  if (std::cin.bad()) fail("cannot read standard input");
   return std::move(ss).str();
 }
 
@@ -90,7 +83,7 @@ int cmd_perplexity(int argc, char** argv) {
   if (ctx < 2) fail("--ctx ", ctx, " must be at least 2 (BOS and one token)");
   const long long max_tokens = a.get_int("--max-tokens", -1);
   const bool quiet = a.has("--quiet");
-  const std::string text = read_file_bytes(a.require("-f"));
+  const std::string text = read_input(a.require("-f"));
   if (text.empty()) fail("the text file is empty");
 
   EngineOptions eo;
