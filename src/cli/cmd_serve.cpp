@@ -11,11 +11,15 @@
 
 #include "cache/disk_cache.h"
 #include "cli/registry.h"
+#include "model/cost_model.h"
 #include "runtime/engine.h"
 #include "server/http.h"
 #include "text/tokenizer.h"
 #include "util/error.h"
 #include "util/threadpool.h"
+#ifdef DSX_HAVE_CUDA
+#include "runtime/cuda_engine.h"
+#endif
 
 namespace dsx::cli {
 
@@ -27,9 +31,14 @@ extern "C" void on_signal(int) { g_stop.store(true); }
 void usage() {
   std::printf(
       "usage: dsx serve -m MODEL_DIR [options]\n"
+      "       dsx serve --synthetic v41-flash --tokenizer FILE [--layers N] [options]\n"
       "Serves the model over HTTP: OpenAI /v1/chat/completions and /v1/responses, Anthropic /v1/messages\n"
       "(configs for Claude Code, Codex and opencode: README \"Serving\"), /health, /metrics.\n"
       "  -m DIR                 the model directory\n"
+      "  --synthetic v41-flash  (CUDA) no model directory: release-shaped layers with random weights in the\n"
+      "                         official formats, for measuring the server on the GPU (its text is noise)\n"
+      "  --layers N             layers of the synthetic model (8)\n"
+      "  --tokenizer FILE       the synthetic model's tokenizer.json (the V4.1 tokenizer: 129280 ids)\n"
       "  --host ADDR            listen address (127.0.0.1)\n"
       "  --port N               port (8080; 0: any free one)\n"
       "  --api-key KEY          require this key (x-api-key or Authorization: Bearer)\n"
@@ -68,13 +77,16 @@ int cmd_serve(int argc, char** argv) {
   Args a(argc, argv,
          {"-m", "--host", "--port", "--api-key", "--ctx", "--sessions", "--backend", "--precision", "--threads",
           "--model-id", "--effort", "--max-body", "--keepalive", "--thinking", "--max-output", "--kv-cache",
-          "--kv-cache-size"},
+          "--kv-cache-size", "--synthetic", "--layers", "--tokenizer"},
          {"--quiet", "--no-kv-cache", "--no-lazy-tool-grammar", "-h", "--help"});
   if (a.has("-h") || a.has("--help")) {
     usage();
     return 0;
   }
-  const std::string dir = a.require("-m");
+  const bool synthetic = a.has("--synthetic");
+  if (synthetic && a.has("-m")) fail("--synthetic and -m exclude each other");
+  if (!synthetic && (a.has("--layers") || a.has("--tokenizer"))) fail("--layers / --tokenizer go with --synthetic");
+  const std::string dir = synthetic ? std::string() : a.require("-m");
   if (a.has("--no-kv-cache") && (a.has("--kv-cache") || a.has("--kv-cache-size")))
     fail("--no-kv-cache contradicts --kv-cache / --kv-cache-size");
   const int64_t kv_budget = parse_byte_size(a.get_or("--kv-cache-size", "8G"));
@@ -100,7 +112,9 @@ int cmd_serve(int argc, char** argv) {
   o.precision = a.get_or("--precision", "fp32");
   o.max_context = a.get_int("--ctx", 65536);
   if (o.max_context < 256) fail("--ctx must be at least 256 tokens");
-  std::fprintf(stderr, "dsx serve: loading %s (%s)\n", dir.c_str(), o.backend.c_str());
+  if (synthetic) o.backend = "cuda";
+  std::fprintf(stderr, "dsx serve: loading %s (%s)\n", synthetic ? "a synthetic model" : dir.c_str(),
+               o.backend.c_str());
   o.progress = [](double f) {
     const int w = 40, k = static_cast<int>(f * w + 0.5);
     std::fprintf(stderr, "\r[%s%s] %3d%%", std::string(static_cast<size_t>(k), '#').c_str(),
@@ -108,8 +122,24 @@ int cmd_serve(int argc, char** argv) {
     if (f >= 1.0) std::fprintf(stderr, "\n");
   };
   const auto t0 = std::chrono::steady_clock::now();
-  text::Tokenizer tok = text::Tokenizer::from_model_dir(dir);
-  auto eng = load_engine(dir, o);
+  text::Tokenizer tok = synthetic ? text::Tokenizer::from_file(a.require("--tokenizer"))
+                                  : text::Tokenizer::from_model_dir(dir);
+  std::unique_ptr<Engine> eng;
+  if (synthetic) {
+    if (a.require("--synthetic") != "v41-flash") fail("--synthetic: only v41-flash is known");
+    const int layers = static_cast<int>(a.get_int("--layers", 8));
+    if (layers < 1) fail("--layers must be at least 1");
+#ifdef DSX_HAVE_CUDA
+    const ModelConfig cfg = synthetic_v41_flash_config(layers);
+    if (static_cast<int64_t>(tok.size()) != cfg.vocab_size)
+      fail("--tokenizer: ", tok.size(), " ids, the synthetic model has ", cfg.vocab_size, " (the V4.1 tokenizer)");
+    eng = make_synthetic_cuda_engine(cfg, o, 1);
+#else
+    fail("--synthetic needs the CUDA backend (this build has none)");
+#endif
+  } else {
+    eng = load_engine(dir, o);
+  }
   std::fprintf(stderr, "dsx serve: %s loaded in %.1f s; %d sessions of %lld tokens\n", eng->describe().c_str(),
                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
                so.scheduler.max_sessions, (long long)o.max_context);
