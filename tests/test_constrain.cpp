@@ -158,7 +158,7 @@ struct Drive {
 };
 
 Drive drive(Constraint& c, const Tokenizer& tok, uint64_t seed, Mode mode, int max_steps = 20000,
-            const std::string& script = "") {
+            const std::string& script = "", int wrap_after = -1) {
   Drive run;
   size_t script_pos = 0;
   std::mt19937_64 rng(seed);
@@ -223,6 +223,7 @@ Drive drive(Constraint& c, const Tokenizer& tok, uint64_t seed, Mode mode, int m
       break;
     }
     int32_t t;
+    if (static_cast<int>(run.ids.size()) == wrap_after) c.wrap_up();
     if (!c.needs_logits()) {
       t = c.next(nullptr, V, no_pick);
       ++run.forced_steps;
@@ -424,6 +425,52 @@ TEST(ConstrainTool, DefaultLimitsAndLongStrings) {
   EXPECT_LT(run.ids.size(), 2 * 256u + 64u);
   std::printf("[constrain] default limits: %zu tokens, %.2f ms per free step, slowest step %.2f ms (with pick)\n",
               run.ids.size(), run.free_ms / std::max(1, run.free_steps), run.max_ms);
+}
+
+// Wrap-up (the scheduler's output budget nearly spent): the open reasoning and strings close at once, so a
+// random model that would write 256-token strings finishes the call within a few dozen tokens, still valid.
+TEST(ConstrainTool, WrapUpFinishesTheCallSoon) {
+  NEED_TOKENIZER(tok, "tokenizer-v41.json");
+  const auto tools = tools_of(kTools);
+  for (const ToolCase& tc : kCases) {
+    for (int wrap_after : {0, 5, 40}) {
+      SCOPED_TRACE(std::string(tc.name) + " wrap after " + std::to_string(wrap_after));
+      auto c = server::tool_call_constraint(*tok, tools, tc.name, Profile::V41, true);
+      const Drive run = drive(*c, *tok, 11 + static_cast<uint64_t>(wrap_after), Mode::Random, 20000, "", wrap_after);
+      check_call(*tok, run, tools, {tc.name}, true, tc.exact);
+      // what is left after the wrap-up: the reasoning's closer, the call's fixed text, required values
+      // (strings closed at once, numbers, enums, items up to the limits) and optional ones the model picks
+      EXPECT_LT(run.ids.size(), static_cast<size_t>(wrap_after) + 160) << tok->decode(run.ids);
+    }
+  }
+  // the lazy grammar: a wrap-up before the trigger holds for the block opened later
+  for (uint64_t seed = 0; seed < 4; ++seed) {
+    auto c = server::lazy_tool_constraint(*tok, tools, Profile::V41, false);
+    ASSERT_TRUE(c);
+    c->wrap_up();
+    const std::vector<int32_t> lt = tok->encode("<", false);
+    ASSERT_EQ(lt.size(), 1u);
+    c->observe(lt[0]);
+    c->observe(*tok->token_to_id("｜DSML｜"));
+    ASSERT_FALSE(c->passive());
+    const Drive run = drive(*c, *tok, 70 + seed, Mode::Random);
+    EXPECT_LT(run.ids.size(), 400u) << tok->decode(run.ids);
+    std::vector<int32_t> all = {lt[0], *tok->token_to_id("｜DSML｜")};
+    all.insert(all.end(), run.ids.begin(), run.ids.end());
+    const std::string text = tok->decode(all);
+    const ParseResult r = parse_completion(text, parser_options(tools, false));
+    EXPECT_FALSE(r.stream_error) << r.error << "\n" << text;
+    EXPECT_EQ(r.finish, FinishReason::ToolCalls) << text;
+    ASSERT_GE(r.tool_calls.size(), 1u) << text;
+    for (const auto& call : r.tool_calls) {
+      const ToolSpec* spec = find_tool(tools, call.name);
+      ASSERT_TRUE(spec) << call.name;
+      pyjson::Value args;
+      ASSERT_TRUE(pyjson::try_parse(call.arguments, args)) << call.arguments;
+      if (const pyjson::Value* params = spec->function.get("parameters"))
+        EXPECT_EQ(check(params, args, *params, "$"), "") << call.arguments;
+    }
+  }
 }
 
 TEST(ConstrainTool, StringLimitAndReasoningLimit) {

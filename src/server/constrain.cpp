@@ -1223,6 +1223,14 @@ class GrammarConstraint final : public Constraint {
     return t;
   }
 
+  void wrap_up() override {
+    if (wrap_) return;
+    wrap_ = true;
+    cap_texts(cur_);
+    forced_.clear();  // (the run was planned from cur_ without the limit: plan it again)
+    plan();
+  }
+
  private:
   // The deterministic run from the current state, as forced tokens; else remember the allowed first symbols.
   void plan() {
@@ -1354,8 +1362,17 @@ class GrammarConstraint final : public Constraint {
       DSX_CHECK(G.feed(s, p[k]), "constrained decoding: token ", t, " does not continue the constrained output");
     // a token spent inside a string / the reasoning counts towards its limit
     if ((kind == K::Text || kind == K::JStr) && s.n > top && s.f[top].node == f0.node) ++s.f[top].d;
+    if (wrap_) cap_texts(s);
     cur_ = s;
     have_first_ = false;
+  }
+
+  // Wrap-up: every string / reasoning frame on the stack at its token limit (closing).
+  void cap_texts(State& s) const {
+    for (int i = 0; i < s.n; ++i) {
+      const Node& g = G.nodes[static_cast<size_t>(s.f[i].node)];
+      if (g.kind == K::Text || g.kind == K::JStr) s.f[i].d = std::max(s.f[i].d, g.cap);
+    }
   }
 
   const Tokenizer& tok_;
@@ -1375,6 +1392,7 @@ class GrammarConstraint final : public Constraint {
   SymSet first_;
   bool have_first_ = false;
   bool natural_ = false;
+  bool wrap_ = false;
 };
 
 // tool_choice "auto": free decoding (passive) until the trigger, then the lazy tool grammar.
@@ -1408,6 +1426,7 @@ class LazyToolConstraint final : public Constraint {
   }
   bool needs_logits() const override { return phase_ != kCalls || calls_.needs_logits(); }
   bool done() const override { return phase_ == kCalls && calls_.done(); }
+  void wrap_up() override { calls_.wrap_up(); }  // (before the trigger: for a block opened later)
   int32_t next(float* logits, int64_t vocab, const std::function<int32_t(const float*, int64_t)>& pick) override {
     if (phase_ == kCalls) return calls_.next(logits, vocab, pick);
     DSX_CHECK(logits && vocab > 0, "constrained decoding: this step needs logits");

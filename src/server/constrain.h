@@ -101,6 +101,11 @@ class Constraint {
   // the unmodified logits (on the device), and must then report it with observe() instead of calling next().
   virtual bool passive() const { return false; }
   virtual void observe(int32_t /*token*/) {}
+  // The output budget is nearly spent: from now on every open string value and the reasoning close at the next
+  // character boundary, as if their token limits were reached, and so does every string entered later, so that
+  // a call or JSON value started near the end is still completed (the rest of the grammar is unchanged:
+  // required properties still come, with values closed at once).
+  virtual void wrap_up() {}
 };
 
 struct ConstraintLimits {

@@ -442,6 +442,11 @@ void Scheduler::decode_step(std::vector<Active*>& ds) {
     in[i] = a.anchor;
     const bool greedy = a.job->sampling.temperature <= 0.0f;
     Constraint* c = a.job->constraint.get();
+    if (c) {  // (this step's token is the one after `generated`: wrap up while the reserve is left)
+      const int64_t left = std::min<int64_t>(a.job->max_tokens - a.generated,
+                                             a.slot->s->capacity() - 1 - a.slot->s->position());
+      if (left <= o_.wrap_up_reserve) c->wrap_up();
+    }
     if (c && c->passive()) c = nullptr;  // (a lazy constraint before its trigger: decoded as usual)
     // a constrained job needs the logits on the host (or nothing, when its next token is forced)
     const bool want_logits = c ? c->needs_logits() : !greedy;

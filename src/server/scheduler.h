@@ -84,6 +84,10 @@ struct SchedulerOptions {
   double keepalive_seconds = 5;   // keep-alive interval for a client whose prompt waits or prefills
   size_t max_queue = 256;         // jobs waiting; more are refused (503)
   bool log_requests = true;       // one line per finished request on stderr
+  // A constrained completion (tool call, JSON) with at most this many tokens of its budget
+  // left wraps up (Constraint::wrap_up): its open strings close, so that the call or value
+  // still ends inside max_tokens.
+  int wrap_up_reserve = 48;
   // The on-disk KV cache (not owned; outlives the scheduler), or null: none.
   DiskCache* cache = nullptr;
   KvCachePolicy kv;
