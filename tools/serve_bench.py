@@ -8,8 +8,10 @@
    /v1/chat/completions request with a prompt of their own (no shared prefix) and
    max_tokens; per request the time to first token (the first streamed delta) and the
    decode rate ((completion tokens - 1) / (last delta - first delta)); per level the
-   medians and the aggregate decode tokens/s (all completion tokens after each first one,
-   over the span from the first first-token to the last delta).
+   medians, the aggregate decode tokens/s (all completion tokens after each first one,
+   over the span from the first first-token to the last delta), and the steady state:
+   streamed deltas per second while all C streams decode (after the last first token,
+   before the first stream ends), with the implied step time (C / that rate).
 2. Prefix reuse: a cold request with a prompt of about --reuse-tokens tokens, then the
    conversation's second turn (the same messages, the answer, a short new user message);
    time to first token of both and their ratio, with usage's cached tokens.
@@ -52,6 +54,7 @@ def stream_chat(url, messages, max_tokens, timeout=600):
     first = last = None
     usage = None
     text = []
+    times = []
     for raw in resp:
         line = raw.decode("utf-8", "replace").strip()
         if not line.startswith("data:"):
@@ -70,11 +73,12 @@ def stream_chat(url, messages, max_tokens, timeout=600):
                 if first is None:
                     first = now
                 last = now
+                times.append(now)
                 text.append(piece)
     conn.close()
     if first is None or usage is None:
         raise RuntimeError("the stream ended without a delta or without usage")
-    return {"t0": t0, "first": first, "last": last, "usage": usage, "text": "".join(text)}
+    return {"t0": t0, "first": first, "last": last, "usage": usage, "text": "".join(text), "times": times}
 
 
 def concurrency_level(url, c, prompt_words, max_tokens, seed):
@@ -104,6 +108,13 @@ def concurrency_level(url, c, prompt_words, max_tokens, seed):
             rates.append((n - 1) / (r["last"] - r["first"]))
     span = max(r["last"] for r in results) - min(r["first"] for r in results)
     decoded = sum(max(0, r["usage"]["completion_tokens"] - 1) for r in results)
+    # steady state: the window in which every stream is past its first token and none has ended
+    # (no prefill of another client in between): streamed deltas per second in it
+    w0, w1 = max(r["first"] for r in results), min(r["last"] for r in results)
+    steady = 0.0
+    if w1 - w0 > 0.05:
+        n = sum(sum(1 for t in r["times"] if w0 < t <= w1) for r in results)
+        steady = n / (w1 - w0)
     return {
         "concurrency": c,
         "prompt_tokens": statistics.median(r["usage"]["prompt_tokens"] for r in results),
@@ -112,6 +123,9 @@ def concurrency_level(url, c, prompt_words, max_tokens, seed):
         "ttft_max_s": max(ttft),
         "decode_tok_s_per_stream_median": statistics.median(rates) if rates else 0.0,
         "decode_tok_s_aggregate": decoded / span if span > 0 else 0.0,
+        "steady_window_s": max(0.0, w1 - w0),
+        "steady_deltas_per_s": steady,
+        "steady_step_ms": 1e3 * c / steady if steady > 0 else 0.0,
     }
 
 
@@ -137,7 +151,7 @@ def main():
     ap.add_argument("--url", default="http://127.0.0.1:8080")
     ap.add_argument("--concurrency", default="1,4,16", help="comma-separated client counts")
     ap.add_argument("--prompt-tokens", type=int, default=1024, help="approximate prompt tokens per client")
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--reuse-tokens", type=int, default=8192, help="approximate tokens of the reuse test (0: skip)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", help="write the results here")
@@ -151,7 +165,8 @@ def main():
         out["levels"].append(r)
         print(f"concurrency {c:3d}: prompt {r['prompt_tokens']:.0f} tok, ttft median {r['ttft_median_s']*1e3:8.1f} ms "
               f"(max {r['ttft_max_s']*1e3:8.1f}), decode {r['decode_tok_s_per_stream_median']:8.1f} tok/s per stream, "
-              f"{r['decode_tok_s_aggregate']:8.1f} tok/s in all", flush=True)
+              f"{r['decode_tok_s_aggregate']:8.1f} tok/s in all; all {c} decoding: {r['steady_deltas_per_s']:8.1f} "
+              f"tok/s ({r['steady_step_ms']:.2f} ms per step, {r['steady_window_s']:.2f} s)", flush=True)
     if a.reuse_tokens > 0:
         r = reuse(a.url, int(a.reuse_tokens * wpt), a.max_tokens, a.seed + 999)
         out["reuse"] = r
