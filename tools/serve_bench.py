@@ -146,6 +146,31 @@ def reuse(url, prompt_words, max_tokens, seed):
     }
 
 
+def save_conversation(url, prompt_words, max_tokens, seed, path):
+    """The cold turn of a conversation; writes its messages (with the answer and a next user message)."""
+    rng = random.Random(seed)
+    msgs = [{"role": "system", "content": words(rng, 40)},
+            {"role": "user", "content": f"[restart {seed}] " + words(rng, prompt_words)}]
+    cold = stream_chat(url, msgs, max_tokens)
+    msgs2 = msgs + [{"role": "assistant", "content": cold["text"]}, {"role": "user", "content": words(rng, 30)}]
+    with open(path, "w") as f:
+        json.dump({"messages": msgs2, "cold_ttft_s": cold["first"] - cold["t0"],
+                   "cold_prompt_tokens": cold["usage"]["prompt_tokens"]}, f)
+    return {"cold_prompt_tokens": cold["usage"]["prompt_tokens"], "cold_ttft_s": cold["first"] - cold["t0"]}
+
+
+def continue_conversation(url, max_tokens, path):
+    """The saved conversation's second turn (e.g. against a restarted server)."""
+    with open(path) as f:
+        saved = json.load(f)
+    r = stream_chat(url, saved["messages"], max_tokens)
+    cached = (r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    t = r["first"] - r["t0"]
+    return {"cold_prompt_tokens": saved["cold_prompt_tokens"], "cold_ttft_s": saved["cold_ttft_s"],
+            "second_turn_prompt_tokens": r["usage"]["prompt_tokens"], "second_turn_cached_tokens": cached,
+            "second_turn_ttft_s": t, "ttft_ratio_cold_over_second": saved["cold_ttft_s"] / t if t > 0 else 0.0}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default="http://127.0.0.1:8080")
@@ -155,8 +180,25 @@ def main():
     ap.add_argument("--reuse-tokens", type=int, default=8192, help="approximate tokens of the reuse test (0: skip)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--save-conversation", metavar="FILE",
+                    help="only: the cold turn of a --reuse-tokens conversation, saved for --continue-conversation")
+    ap.add_argument("--continue-conversation", metavar="FILE",
+                    help="only: the second turn of a saved conversation (e.g. after a server restart)")
     a = ap.parse_args()
     out = {"levels": []}
+    if a.save_conversation or a.continue_conversation:
+        if a.save_conversation:
+            r = save_conversation(a.url, int(a.reuse_tokens / 1.3), a.max_tokens, a.seed + 555, a.save_conversation)
+            print(f"saved conversation: cold {r['cold_prompt_tokens']} tok ttft {r['cold_ttft_s']*1e3:.1f} ms", flush=True)
+        else:
+            r = continue_conversation(a.url, a.max_tokens, a.continue_conversation)
+            print(f"continued conversation: cold {r['cold_prompt_tokens']} tok ttft {r['cold_ttft_s']*1e3:.1f} ms; "
+                  f"second turn {r['second_turn_prompt_tokens']} tok ({r['second_turn_cached_tokens']} cached) ttft "
+                  f"{r['second_turn_ttft_s']*1e3:.1f} ms; ratio {r['ttft_ratio_cold_over_second']:.1f}x", flush=True)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(r, f, indent=1)
+        return 0
     # about 1.3 tokens per random word with the V4.1 tokenizer (measured figures: usage)
     wpt = 1 / 1.3
     stream_chat(a.url, [{"role": "user", "content": "warm up"}], 4)
