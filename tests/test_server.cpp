@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <httplib.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <filesystem>
@@ -40,7 +41,8 @@ struct Served {
 
 // A tiny model with the golden V4.1 test tokenizer (vocabulary 129280), served with
 // `sessions` sessions of `ctx` tokens on an ephemeral loopback port.
-std::unique_ptr<Served> serve(int sessions = 4, int64_t ctx = 8192, const std::string& key = "") {
+std::unique_ptr<Served> serve(int sessions = 4, int64_t ctx = 8192, const std::string& key = "",
+                              bool byte_prefix = true) {
   const std::string g = dsx_test::golden_dir();
   if (g.empty()) return nullptr;
   auto s = std::make_unique<Served>();
@@ -69,6 +71,7 @@ std::unique_ptr<Served> serve(int sessions = 4, int64_t ctx = 8192, const std::s
   so.scheduler.max_sessions = sessions;
   so.scheduler.log_requests = false;
   so.scheduler.keepalive_seconds = 0.2;
+  so.scheduler.byte_prefix = byte_prefix;
   s->srv = std::make_unique<server::HttpServer>(*s->eng, *s->tok, so);
   if (!s->srv->bind()) return nullptr;
   s->port = s->srv->port();
@@ -247,6 +250,61 @@ TEST(Server, SecondTurnReusesThePrefix) {
   // the shared prefix is everything before the user's text, nearly all of turn 1's prompt
   EXPECT_GE(cached2, p1 * 95 / 100 - 16);
   EXPECT_LT(t2 * 5, t1) << "time to first token on the second turn";
+}
+
+// The client replays the model's answer as text; the server's tokenization of it differs
+// from the tokens the model sampled (a random model samples splits the tokenizer would
+// merge), and byte-prefix matching (§5.1) keeps the sampled tokens: the second turn's
+// cached tokens cover the first prompt and the whole answer, not only the first prompt.
+TEST(Server, ReplayedAnswerIsNotPrefilledAgain) {
+  std::string sys;
+  for (int i = 0; i < 100; ++i) sys += "Every room has its own library. ";
+  // both turns on a server with byte-prefix matching (on) or without (off); returns
+  // {turn 1 prompt tokens, turn 1 completion tokens, turn 2 cached tokens, whether the
+  // answer is plain text}: a random model also samples added tokens (placeholders), which
+  // the client's replay turns into plain text, and byte-prefix matching never puts plain
+  // text where the session has an added token (test_byte_prefix.cpp)
+  auto conversation = [&](bool on, int seed) {
+    auto s = serve(2, 16384, "", on);
+    if (!s) return std::array<int64_t, 4>{-1, -1, -1, 0};
+    auto c = client(*s);
+    json msgs = json::array({{{"role", "system"}, {"content", sys}}, {{"role", "user"}, {"content", "Say something."}}});
+    auto ask = [&](const json& m) {
+      json b = {{"model", "m"}, {"messages", m}, {"max_tokens", 12}, {"temperature", 1.0}, {"seed", seed},
+                {"thinking", false}};
+      auto r = c.Post("/v1/chat/completions", b.dump(), "application/json");
+      EXPECT_TRUE(r && r->status == 200) << (r ? r->body : "no answer");
+      return r ? json::parse(r->body) : json();
+    };
+    const json a1 = ask(msgs);
+    if (!a1.contains("choices")) return std::array<int64_t, 4>{-1, -1, -1, 0};
+    const std::string answer = a1["choices"][0]["message"]["content"];
+    const bool plain = answer.find("<|") == std::string::npos && answer.find("<｜") == std::string::npos &&
+                       answer.find("\xEF\xBF\xBD") == std::string::npos;
+    msgs.push_back({{"role", "assistant"}, {"content", answer}});
+    msgs.push_back({{"role", "user"}, {"content", "And then?"}});
+    const json a2 = ask(msgs);
+    return std::array<int64_t, 4>{a1["usage"]["prompt_tokens"].get<int64_t>(),
+                                  a1["usage"]["completion_tokens"].get<int64_t>(),
+                                  a2["usage"]["prompt_tokens_details"]["cached_tokens"].get<int64_t>(), plain ? 1 : 0};
+  };
+  int shown = 0;
+  for (int seed = 1; seed <= 40 && shown < 2; ++seed) {
+    const auto off = conversation(false, seed);
+    if (off[0] < 0) GTEST_SKIP() << "golden tokenizer not found or no port";
+    if (!off[3]) continue;
+    const int64_t kept = off[0] + off[1] - 1;  // the prompt and every sampled token but the last (not fed)
+    if (off[2] >= kept) continue;  // (this sample happens to be the canonical split: no contrast)
+    const auto on = conversation(true, seed);
+    std::printf("seed %d: turn 1 %lld prompt + %lld sampled tokens; turn 2 cached: %lld without byte-prefix "
+                "matching, %lld with it\n",
+                seed, (long long)off[0], (long long)off[1], (long long)off[2], (long long)on[2]);
+    EXPECT_EQ(on[0], off[0]);
+    EXPECT_EQ(on[1], off[1]);
+    EXPECT_GE(on[2], kept);
+    ++shown;
+  }
+  EXPECT_EQ(shown, 2) << "no sampled answer was a non-canonical split";
 }
 
 // 16 concurrent streaming clients x 4 requests all finish, with batched decode steps.

@@ -127,6 +127,10 @@ struct Server {
     so.scheduler.keepalive_seconds = 1;
     so.scheduler.log = log.sink();
     so.scheduler.secret = secret;
+    // (token-prefix reuse only, also in the cache-less references: byte-prefix matching,
+    // which a server without a disk cache does, keeps sampled tokens and so computes
+    // other states than a server that restores by tokens)
+    so.scheduler.byte_prefix = false;
     if (!kv_dir.empty()) {
       DiskCacheOptions co;
       co.log = log.sink();

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "server/byte_prefix.h"
 #include "server/signing.h"
 #include "text/chat.h"
 #include "util/error.h"
@@ -199,9 +200,39 @@ Scheduler::Slot* Scheduler::pick_slot(const Job& j, int64_t disk_tokens) {
   return best;
 }
 
+// §5.1: when an idle session's exact tokens spell a longer byte prefix of the prompt than
+// any session's common token prefix (the model's answer, replayed by the client as text
+// and tokenized differently), the prompt is rewritten onto those tokens: the session keeps
+// its answer instead of prefilling it again (only where it can go back there directly).
+// Not with a disk cache: its entries are matched by tokens, so an entry holding a sampled
+// answer would serve a restarted server, which tokenizes the replay canonically, only up
+// to that answer (docs/kv-cache.md).
+void Scheduler::rebase_on_live(Job& j) {
+  if (!o_.byte_prefix || o_.cache || j.prompt.size() < 2) return;
+  const int64_t goal = static_cast<int64_t>(j.prompt.size()) - 1;
+  int64_t plain = 0;
+  const Slot* best = nullptr;
+  BytePrefix bm;
+  for (const auto& sl : slots_) {
+    if (sl->busy) continue;
+    const Session& s = *sl->s;
+    const int64_t c = common_prefix(s.tokens(), j.prompt, goal);
+    plain = std::max(plain, c);
+    if (c == static_cast<int64_t>(s.tokens().size())) continue;  // (it keeps all of its tokens anyway)
+    const BytePrefix m = byte_prefix(tok_, s.tokens(), j.prompt, c, goal);
+    const int64_t n = m.live + static_cast<int64_t>(j.prompt.size()) - m.prompt;
+    if (m.live > c && s.position() - m.live <= eng_.options().rollback_depth && n < s.capacity() &&
+        (!best || m.live > bm.live))
+      best = sl.get(), bm = m;
+  }
+  if (!best || bm.live <= plain) return;
+  j.prompt = rebased_prompt(best->s->tokens(), j.prompt, bm);
+}
+
 bool Scheduler::admit(std::unique_lock<std::mutex>& lk) {
   bool any = false;
   while (!queue_.empty() && slot_available()) {
+    rebase_on_live(*queue_.front());
     const Job& j = *queue_.front();
     const int64_t goal = static_cast<int64_t>(j.prompt.size()) - 1;
     // the disk: only when no resident session already keeps the whole prompt

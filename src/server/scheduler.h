@@ -88,6 +88,11 @@ struct SchedulerOptions {
   // left wraps up (Constraint::wrap_up): its open strings close, so that the call or value
   // still ends inside max_tokens.
   int wrap_up_reserve = 48;
+  // Byte-prefix matching (chat-and-serving.md §5.1, server/byte_prefix.h): a prompt whose
+  // bytes continue an idle session's exact tokens past their common token prefix (a
+  // replayed answer tokenized differently from the model's sampled tokens) keeps them.
+  // Only without a disk cache (whose entries are matched by tokens; docs/kv-cache.md).
+  bool byte_prefix = true;
   // The on-disk KV cache (not owned; outlives the scheduler), or null: none.
   DiskCache* cache = nullptr;
   KvCachePolicy kv;
@@ -148,6 +153,7 @@ class Scheduler {
   void finish(Active& a, text::EndCause cause);
   void drop(Active& a, const char* why);
   Slot* pick_slot(const Job& j, int64_t disk_tokens);
+  void rebase_on_live(Job& j);
   bool slot_available() const;
   int64_t live_reuse(const Slot& sl, const std::vector<int32_t>& prompt, int64_t goal) const;
   std::vector<std::pair<int64_t, SaveReason>> save_points(const std::vector<int32_t>& prompt, int64_t from,
