@@ -1166,6 +1166,13 @@ void moe_decode(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int T, 
 
 // =================================================================================
 // Prefill
+}  // namespace dsx::cuda
+
+// (the prefill half's own headers)
+#include "kernels/cuda/moe_grouped.h"
+#include "util/switches.h"
+
+namespace dsx::cuda {
 namespace {
 
 __global__ void count_kernel(const int32_t* __restrict__ ids, int n, int E, int* __restrict__ counts) {
@@ -1311,15 +1318,97 @@ unsigned grid_for(int64_t n, int per_block = 256) {
                                                                        static_cast<int64_t>(sm_count()) * 16)));
 }
 
+// The grouped path (moe_grouped.h): grouping and tile plan on the device, one launch for
+// the gate / up products (SwiGLU and QA8 fused), one for the down products, the combine.
+struct GroupedLayout {
+  size_t counts, offs, perm, inv, tiles, ntiles, xb, hq, yp, total;
+};
+GroupedLayout grouped_layout(const MoeLayer& m, int T, int topk) {
+  const size_t D = static_cast<size_t>(m.hidden), I = static_cast<size_t>(m.inter);
+  const size_t Tk = static_cast<size_t>(T) * topk;
+  const size_t rows_all = Tk + (m.shared_w1.data ? T : 0);
+  GroupedLayout L{};
+  size_t off = 0;
+  auto take = [&](size_t& at, size_t bytes) {
+    at = off;
+    off = align256(off + bytes);
+  };
+  take(L.counts, m.n_experts * 4);
+  take(L.offs, (m.n_experts + 1) * 4);
+  take(L.perm, Tk * 4);
+  take(L.inv, Tk * 4);
+  take(L.tiles, static_cast<size_t>(grouped_max_tiles(m, T, topk)) * sizeof(int4));
+  take(L.ntiles, 4);
+  take(L.xb, rows_all * D * 2);
+  take(L.hq, rows_all * I * 2);
+  take(L.yp, rows_all * D * 4);
+  L.total = off;
+  return L;
+}
+
+bool prefill_grouped() { return sw::get_str(sw::Id::MOE_PREFILL) != "cublas"; }
+
+void moe_prefill_grouped(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int T, int topk,
+                         const int32_t* ids, const float* weights, DType yt, void* y, int64_t ldy, void* ws,
+                         size_t ws_bytes, cudaStream_t stream) {
+  const GroupedLayout L = grouped_layout(m, T, topk);
+  DSX_CHECK(ws && ws_bytes >= L.total, "moe_prefill: workspace too small (", ws_bytes, " < ", L.total, ")");
+  char* base = static_cast<char*>(ws);
+  auto at = [&](size_t o) { return static_cast<void*>(base + o); };
+  const int E = m.n_experts;
+  const int Tk = T * topk;
+  const bool has_shared = m.shared_w1.data != nullptr;
+  int* counts = static_cast<int*>(at(L.counts));
+  int* offs = static_cast<int*>(at(L.offs));
+  int* perm = static_cast<int*>(at(L.perm));
+  int* inv = static_cast<int*>(at(L.inv));
+  uint16_t* xb = static_cast<uint16_t*>(at(L.xb));
+  uint16_t* hq = static_cast<uint16_t*>(at(L.hq));
+  float* yp = static_cast<float*>(at(L.yp));
+  // 1. group the (token, slot) entries by expert (ids outside [0, E) are dropped)
+  DSX_CUDA_CHECK(cudaMemsetAsync(counts, 0, static_cast<size_t>(E) * 4, stream));
+  count_kernel<<<grid_for(Tk), 256, 0, stream>>>(ids, Tk, E, counts);
+  scan_kernel<<<1, 32, 0, stream>>>(counts, E, offs);
+  compact_kernel<<<static_cast<unsigned>(E), kThreads, 0, stream>>>(ids, Tk, offs, perm, inv);
+  DSX_CUDA_CHECK(cudaGetLastError());
+  GroupedMoe g;
+  g.T = T;
+  g.topk = topk;
+  g.counts = counts;
+  g.offs = offs;
+  g.perm = perm;
+  g.weights = weights;
+  g.tiles = static_cast<int4*>(at(L.tiles));
+  g.n_tiles = static_cast<int*>(at(L.ntiles));
+  // 2. the tiles, the QA8'd rows, the products
+  grouped_plan(m, g, stream);
+  grouped_gather_qa8(m, g, xt, x, ldx, xb, stream);
+  grouped_up(m, g, xb, yt == DType::BF16, hq, nullptr, stream);
+  grouped_down(m, g, hq, yp, stream);
+  // 3. combine in the reference order
+  combine_kernel<<<static_cast<unsigned>(T), 256, 0, stream>>>(yp, inv, ids, topk, Tk, has_shared ? 1 : 0,
+                                                                static_cast<int>(m.hidden), yt == DType::BF16 ? 1 : 0,
+                                                                y, static_cast<int>(yt), ldy);
+  DSX_CUDA_CHECK(cudaGetLastError());
+}
+
 }  // namespace
 
-size_t moe_prefill_ws_bytes(const MoeLayer& m, int T, int topk) { return prefill_layout(m, T, topk, 4).total; }
+size_t moe_prefill_ws_bytes(const MoeLayer& m, int T, int topk) {
+  // (either path: the switch is read per call)
+  return std::max(prefill_layout(m, T, topk, 4).total, grouped_layout(m, T, topk).total);
+}
 
 void moe_prefill(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int T, int topk, const int32_t* ids,
                  const float* weights, DType yt, void* y, int64_t ldy, void* ws, size_t ws_bytes,
                  cudaStream_t stream, const MoePrefillOpts& opts) {
   if (T <= 0) return;
   check_layer(m, topk);
+  if (prefill_grouped() && grouped_supported(m)) {
+    moe_prefill_grouped(m, xt, x, ldx, T, topk, ids, weights, yt, y, ldy, ws, ws_bytes, stream);
+    return;
+  }
+  // the dequant + cuBLAS path (DSX_MOE_PREFILL=cublas)
   const bool bf16 = yt == DType::BF16;
   const DType ct = bf16 ? DType::BF16 : DType::F32;
   const size_t cs = dtype_size(ct);

@@ -73,11 +73,15 @@ void moe_decode(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int T, 
 // ---- prefill: many tokens -----------------------------------------------------------
 //
 // Tokens are grouped by expert on the device (histogram, scan, stable compaction:
-// deterministic); the per-expert counts are then copied to the host (ONE stream
-// synchronisation per call - not graph-capturable) to size the per-expert products:
-// experts with >= gemm_min_tokens tokens use the GEMM path (gemm.h: dequantize to
-// bf16 / f32 + cuBLAS), the others the GEMV kernels. The shared expert uses the GEMM
-// path for T >= gemm_min_tokens. Results equal moe_decode's up to f32 summation order.
+// deterministic). Default (DSX_MOE_PREFILL=grouped, layers grouped_supported takes):
+// the tile plan is made on the device too and the products run as grouped tensor-core
+// GEMMs over all experts and the shared expert, the MXFP4 / FP8 weights decoded in the
+// kernels (moe_grouped.h): no host synchronisation. DSX_MOE_PREFILL=cublas: the
+// per-expert counts are copied to the host (ONE stream synchronisation per call - not
+// graph-capturable) to size the per-expert products: experts with >= gemm_min_tokens
+// tokens use the GEMM path (gemm.h: dequantize to bf16 / f32 + cuBLAS), the others the
+// GEMV kernels; the shared expert the GEMM path for T >= gemm_min_tokens (opts apply to
+// this path only). Results equal moe_decode's up to f32 summation order.
 struct MoePrefillOpts {
   int gemm_min_tokens = 16;
 };
