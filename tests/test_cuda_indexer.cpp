@@ -177,13 +177,16 @@ TEST(CudaIndexer, ScoresMatchTwin) {
   };
   // n = 70000: more rows than the short-list launch takes (up to 8 x 64 x SMs rows on a
   // 132-SM device), so the 128 x 2 blocks run too; n = 1000 with 5 queries (heads split
-  // over 4 threads per row) and 20 (one thread per row)
-  for (int64_t n : {int64_t{1000}, int64_t{70000}})
+  // over 4 threads per row) and 20 (one thread per row); 37 and 64 queries: prefill
+  // chunks, in BF16 mode with 16 / 32 heads the tensor-core kernel (4 queries per block:
+  // 37 leaves a partial one), n = 5000 its blocks of 1024 rows in chunks of 64
+  for (int64_t n : {int64_t{1000}, int64_t{5000}, int64_t{70000}})
   for (Act act : {Act::F32, Act::BF16})
-    for (Shape sh : {Shape{8, 32}, Shape{32, 128}})
+    for (Shape sh : {Shape{8, 32}, Shape{16, 64}, Shape{32, 128}})
       for (int ratio : {1, 2})
-      for (int T : {1, 5, 20}) {
-        if (n > 1000 && (sh.H != 32 || ratio != 1 || T != 1)) continue;
+      for (int T : {1, 5, 20, 37, 64}) {
+        if (n == 70000 && (sh.H != 32 || ratio != 1 || T != 1)) continue;
+        if (n == 5000 && (sh.H != 32 || T != 37)) continue;
         if (n == 1000 && T == 1) continue;
         const bool bf = act == Act::BF16;
         const int bs = 4;

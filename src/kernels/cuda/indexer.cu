@@ -164,6 +164,274 @@ __global__ void __launch_bounds__(kThreads) indexer_scores_kernel(
   }
 }
 
+// ---- prefill: the dot products on the tensor cores (BF16 mode, T >= kMmaMinT) ---------
+// FQ4e8 values (e2m1 x a power of two) are exact in bf16 and so are their products in
+// f32: an mma.sync m16n8k16 bf16 product with f32 accumulation gives the dot products of
+// the CUDA-core kernel up to the f32 summation order, and those sums are exact whatever
+// the order (few significant bits; test_cuda_indexer.cpp). Block = TQ queries (A rows:
+// query-major, then head; the queries of a plain chunk share their rows, which are
+// decoded once for the TQ of them; candidate lists differ per query: TQ = 1) x a range
+// of kMmaBlockRows rows, in chunks of kMmaRows: decode the chunk's keys to bf16 in
+// shared memory (the next chunk's raw bytes are loaded meanwhile), A x K^T on 8 warps,
+// the dot products through shared memory to one thread per (query, row), which forms
+// the score over the heads in head order exactly as indexer_scores_kernel does.
+constexpr int kMmaMinT = 32;
+constexpr int kMmaThreads = 256;
+constexpr int kMmaRows = 64;
+constexpr int kMmaBlockRows = 1024;
+
+struct MmaParams {
+  int T, r;
+  const float* q;
+  const bf16* w;  // [T, H] (BF16 mode)
+  const uint8_t* kp;
+  const uint8_t* ks;
+  const int32_t* cand_blocks;
+  int64_t cand_ld;
+  const int32_t* cand_count;
+  int cbs;
+  float* scores;
+  int64_t ld;
+  int32_t* counts;
+  const int64_t* d_pos;
+  float weight_factor;
+};
+
+template <int H, int HD, int TQ>
+constexpr size_t mma_smem_bytes() {
+  return static_cast<size_t>(TQ * H + kMmaRows) * (HD + 8) * 2 + static_cast<size_t>(TQ * H) * (kMmaRows + 8) * 4 +
+         static_cast<size_t>(TQ * H) * 4;
+}
+
+template <typename P>
+__device__ __forceinline__ void idx_ldsm_x4(uint32_t (&r)[4], const P* ptr) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
+__device__ __forceinline__ void idx_mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two values exact in bf16 (truncation is exact), packed low | high.
+__device__ __forceinline__ uint32_t idx_pack_bf16x2(float a, float b) {
+  return (__float_as_uint(a) >> 16) | (__float_as_uint(b) & 0xffff0000u);
+}
+
+template <int H, int HD, int TQ, bool CAND>
+__global__ void __launch_bounds__(kMmaThreads) indexer_scores_mma_kernel(const MmaParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  constexpr int M = TQ * H;              // A rows
+  constexpr int QS = HD + 8;             // bf16 row stride of q_s / k_s
+  constexpr int DS = kMmaRows + 8;       // f32 row stride of d_s (8 rows of a fragment: distinct banks)
+  constexpr int MT = M / 16, NT = kMmaRows / 8;
+  constexpr int NPW = MT * NT / (kMmaThreads / 32);  // n-tiles per warp
+  constexpr int PPR = HD / 32;           // 32-value pieces per key row
+  constexpr int PT = (kMmaRows * PPR + kMmaThreads - 1) / kMmaThreads;  // pieces per thread
+  static_assert(H % 16 == 0 && HD % 32 == 0 && (MT * NT) % (kMmaThreads / 32) == 0 && NPW >= 1, "mma tiling");
+  static_assert(!CAND || TQ == 1, "candidate lists differ per query");
+  extern __shared__ __align__(16) unsigned char smem[];
+  uint16_t* q_s = reinterpret_cast<uint16_t*>(smem);  // [M][QS]
+  uint16_t* k_s = q_s + M * QS;                       // [kMmaRows][QS]
+  float* d_s = reinterpret_cast<float*>(k_s + kMmaRows * QS);  // [M][DS]
+  float* w_s = d_s + M * DS;                          // [M]
+  __shared__ int64_t cnt_s[TQ], nvis_s[TQ];
+
+  const int t0 = blockIdx.y * TQ;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  if (tid < TQ) {
+    const int t = t0 + tid;
+    int64_t nv = 0, c = 0;
+    if (t < p.T) {
+      nv = (*p.d_pos + t + 1) / p.r;
+      c = CAND ? static_cast<int64_t>(p.cand_count[t]) * p.cbs : nv;
+      if (blockIdx.x == 0) p.counts[t] = static_cast<int32_t>(c);
+    }
+    nvis_s[tid] = nv;
+    cnt_s[tid] = c;
+  }
+  __syncthreads();
+  int64_t limit = 0;
+#pragma unroll
+  for (int k = 0; k < TQ; ++k) limit = cnt_s[k] > limit ? cnt_s[k] : limit;
+  const int64_t rb = static_cast<int64_t>(blockIdx.x) * kMmaBlockRows;
+  if (rb >= limit) return;  // (uniform)
+  const int64_t re = limit < rb + kMmaBlockRows ? limit : rb + kMmaBlockRows;
+
+  // the queries as bf16 (exact) and the head weights
+  for (int i = tid; i < M * HD / 4; i += kMmaThreads) {
+    const int m = i / (HD / 4), c4 = i - m * (HD / 4);
+    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (t0 + m / H < p.T) v = reinterpret_cast<const float4*>(p.q + (static_cast<int64_t>(t0) * H + m) * HD)[c4];
+    *reinterpret_cast<uint2*>(q_s + m * QS + c4 * 4) = make_uint2(idx_pack_bf16x2(v.x, v.y), idx_pack_bf16x2(v.z, v.w));
+  }
+  for (int m = tid; m < M; m += kMmaThreads) {
+    const int t = t0 + m / H;
+    w_s[m] = t < p.T ? round_bf16_dev(ld(p.w, static_cast<int64_t>(t) * H + m % H) * p.weight_factor) : 0.0f;
+  }
+
+  // the row of list entry i (query tt), or -1 when it is not visible / past the list
+  auto row_of = [&](int tt, int64_t i) -> int64_t {
+    if constexpr (CAND) {
+      if (i >= cnt_s[tt]) return -1;
+      const int64_t j = static_cast<int64_t>(p.cand_blocks[(t0 + tt) * p.cand_ld + i / p.cbs]) * p.cbs + i % p.cbs;
+      return j < nvis_s[tt] ? j : -1;
+    } else {
+      return i < limit ? i : -1;
+    }
+  };
+  uint4 raw[PT];
+  uint32_t rsc[PT];
+  bool rok[PT];
+  auto load_chunk = [&](int64_t c0) {
+#pragma unroll
+    for (int u = 0; u < PT; ++u) {
+      const int g = tid + u * kMmaThreads, r = g / PPR, b = g - r * PPR;
+      rok[u] = false;
+      raw[u] = make_uint4(0u, 0u, 0u, 0u);
+      rsc[u] = 0u;
+      if (g < kMmaRows * PPR && c0 < re) {
+        const int64_t j = row_of(0, c0 + r);
+        if (j >= 0) {
+          raw[u] = *reinterpret_cast<const uint4*>(p.kp + j * (HD / 2) + b * 16);
+          rsc[u] = p.ks[j * PPR + b];
+          rok[u] = true;
+        }
+      }
+    }
+  };
+  load_chunk(rb);
+  const int mt = warp % MT, nt0 = (warp / MT) * NPW;
+  const int gid = lane >> 2, tig = lane & 3;
+  for (int64_t c0 = rb; c0 < re; c0 += kMmaRows) {
+    // decode the chunk's keys (bf16, exact; zeros for rows past the list)
+#pragma unroll
+    for (int u = 0; u < PT; ++u) {
+      const int g = tid + u * kMmaThreads, r = g / PPR, b = g - r * PPR;
+      if (g >= kMmaRows * PPR) continue;
+      const float s = rok[u] ? e8m0_dev(rsc[u]) : 0.0f;
+      const uint32_t wv[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
+      uint4* dst = reinterpret_cast<uint4*>(k_s + r * QS + b * 32);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float v[8];
+#pragma unroll
+        for (int n = 0; n < 8; ++n) v[n] = e2m1_dev((wv[i] >> (4 * n)) & 15u) * s;
+        dst[i] = make_uint4(idx_pack_bf16x2(v[0], v[1]), idx_pack_bf16x2(v[2], v[3]), idx_pack_bf16x2(v[4], v[5]),
+                            idx_pack_bf16x2(v[6], v[7]));
+      }
+    }
+    __syncthreads();
+    load_chunk(c0 + kMmaRows);  // (in flight during the products)
+    float acc[NPW][4];
+#pragma unroll
+    for (int n = 0; n < NPW; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+#pragma unroll
+    for (int k0 = 0; k0 < HD; k0 += 32) {
+      uint32_t a[4], a2[4];
+      idx_ldsm_x4(a, q_s + (mt * 16 + (lane & 15)) * QS + k0 + (lane >> 4) * 8);
+      idx_ldsm_x4(a2, q_s + (mt * 16 + (lane & 15)) * QS + k0 + 16 + (lane >> 4) * 8);
+#pragma unroll
+      for (int n = 0; n < NPW; ++n) {
+        uint32_t b[4];
+        idx_ldsm_x4(b, k_s + ((nt0 + n) * 8 + (lane & 7)) * QS + k0 + (lane >> 3) * 8);
+        idx_mma(acc[n], a, b[0], b[1]);
+        idx_mma(acc[n], a2, b[2], b[3]);
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < NPW; ++n) {
+      const int col = (nt0 + n) * 8 + 2 * tig;
+      *reinterpret_cast<float2*>(d_s + (mt * 16 + gid) * DS + col) = make_float2(acc[n][0], acc[n][1]);
+      *reinterpret_cast<float2*>(d_s + (mt * 16 + gid + 8) * DS + col) = make_float2(acc[n][2], acc[n][3]);
+    }
+    __syncthreads();
+    // scores: one thread per (query, row), heads in order (indexer_scores_kernel, BF16 mode)
+    for (int e = tid; e < TQ * kMmaRows; e += kMmaThreads) {
+      const int tt = e / kMmaRows, r = e - tt * kMmaRows;
+      const int64_t i = c0 + r;
+      if (t0 + tt >= p.T || i >= cnt_s[tt]) continue;
+      const bool valid = CAND ? row_of(tt, i) >= 0 : true;
+      const float* dd = d_s + tt * H * DS + r;
+      const float* wt = w_s + tt * H;
+      float sc = 0.0f;
+#pragma unroll
+      for (int h = 0; h < H; ++h) {
+        const float d = fmaxf(round_bf16_dev(dd[h * DS]), 0.0f);
+        sc += round_bf16_dev(d * wt[h]);
+      }
+      sc = round_bf16_dev(sc);
+      p.scores[static_cast<int64_t>(t0 + tt) * p.ld + i] = valid ? sc : -INFINITY;
+    }
+  }
+#else
+  __trap();
+#endif
+}
+
+bool mma_ok() {
+  static int cached = -1;
+  if (cached < 0) {
+    int dev = 0, major = 0;
+    cudaFuncAttributes fa{};
+    cached = cudaGetDevice(&dev) == cudaSuccess &&
+                     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+                     major >= 8 &&
+                     cudaFuncGetAttributes(&fa, indexer_scores_mma_kernel<32, 128, 4, false>) == cudaSuccess &&
+                     fa.ptxVersion >= 80
+                 ? 1
+                 : 0;
+    cudaGetLastError();
+  }
+  return cached == 1;
+}
+
+template <int H, int HD, int TQ, bool CAND>
+void launch_mma(const IndexerScoreArgs& a, float weight_factor, cudaStream_t stream) {
+  auto* kern = indexer_scores_mma_kernel<H, HD, TQ, CAND>;
+  constexpr size_t smem = mma_smem_bytes<H, HD, TQ>();
+  static bool configured = false;  // per instantiation
+  if (!configured) {
+    DSX_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    configured = true;
+  }
+  MmaParams p{};
+  p.T = a.T, p.r = a.ratio, p.q = a.q, p.w = static_cast<const bf16*>(a.w), p.kp = a.keys.packed, p.ks = a.keys.scales;
+  p.cand_blocks = a.cand_blocks, p.cand_ld = a.cand_ld, p.cand_count = a.cand_count, p.cbs = a.cand_block_size;
+  p.scores = a.scores, p.ld = a.ld, p.counts = a.counts, p.d_pos = a.d_pos, p.weight_factor = weight_factor;
+  const int64_t bx = (a.max_rows + kMmaBlockRows - 1) / kMmaBlockRows;
+  DSX_CHECK(bx < (int64_t{1} << 31), "indexer_scores: too many rows");
+  const dim3 grid(static_cast<unsigned>(bx > 0 ? bx : 1), static_cast<unsigned>((a.T + TQ - 1) / TQ));
+  kern<<<grid, kMmaThreads, smem, stream>>>(p);
+}
+
+// The tensor-core path takes prefill chunks in BF16 mode with 16 or 32 heads of 64 or
+// 128 dims; true when it launched.
+bool try_mma(Act act, const IndexerScoreArgs& a, cudaStream_t stream) {
+  if (act != Act::BF16 || a.T < kMmaMinT || !mma_ok()) return false;
+  const float wf = static_cast<float>(std::pow(static_cast<double>(a.head_dim), -0.5) *
+                                      std::pow(static_cast<double>(a.n_heads), -0.5));
+  const bool cand = a.cand_blocks != nullptr;
+#define DSX_IDX_MMA(HH, HDD)                                      \
+  if (a.n_heads == HH && a.head_dim == HDD) {                     \
+    if (cand) launch_mma<HH, HDD, 1, true>(a, wf, stream);        \
+    else launch_mma<HH, HDD, 4, false>(a, wf, stream);            \
+    return true;                                                  \
+  }
+  DSX_IDX_MMA(32, 128)
+  DSX_IDX_MMA(16, 128)
+  DSX_IDX_MMA(32, 64)
+  DSX_IDX_MMA(16, 64)
+#undef DSX_IDX_MMA
+  return false;
+}
+
 __global__ void block_scores_kernel(const float* __restrict__ scores, int64_t ld, const int32_t* __restrict__ counts,
                                     int bs, float* __restrict__ out, int64_t ld_out, int32_t* __restrict__ out_counts) {
   const int t = blockIdx.y;
@@ -237,7 +505,7 @@ void indexer_scores(Act act, const IndexerScoreArgs& a, cudaStream_t stream) {
   DSX_CHECK(a.ratio >= 1, "indexer_scores: ratio must be >= 1");
   DSX_CHECK(a.cand_blocks == nullptr || (a.cand_count && a.cand_block_size >= 1), "indexer_scores: candidate list");
   DSX_CHECK(a.ld >= a.max_rows, "indexer_scores: score row stride smaller than max_rows");
-  DSX_DISPATCH_ACT(act, T, launch_scores<T>(a, stream));
+  if (!try_mma(act, a, stream)) DSX_DISPATCH_ACT(act, T, launch_scores<T>(a, stream));
   check_launch("indexer_scores");
 }
 

@@ -45,6 +45,9 @@ struct IndexerScoreArgs {
 // F32 mode (V41Cpu): S = Σ_h fma(relu(q_h·k) * hd^-½, w_h * H^-½, S), sequential in h.
 // BF16 mode (reference): d = bf16(q_h·k), term = bf16(relu(d) * ω_h) with
 // ω = bf16(w * (hd·H)^-½), S = bf16(Σ_h term) (f32 sum, sequential in h).
+// BF16 prefill chunks (T >= 32, 16 / 32 heads of 64 / 128 dims) form the q_h·k on the
+// tensor cores (bf16 mma, f32 accumulation: FQ4e8 values and their products are exact,
+// so only the f32 order of exact sums differs); the rest is the same sequence.
 void indexer_scores(Act act, const IndexerScoreArgs& a, cudaStream_t stream);
 
 // Candidate-block scores (candidate source): B[t][b] = max of S[t][j] over the block's
