@@ -158,6 +158,35 @@ __global__ void __launch_bounds__(32 * kNarrowWarps) hc_pass_narrow_kernel(const
   }
 }
 
+// Warp sums of the 24 mix values in 24 shuffles (12 + 6 + 3 + 2 + 1: at each step the
+// lanes of one half keep one half of their values and receive the other half's partner
+// sums; 3 values are padded to 4 before the fourth step). Lane l ends with the warp
+// total of value mix24_index(l), valid when l % 4 < 3 (24 lanes). The separate butterfly
+// of each value took 120 shuffles per token and warp, most of the prefill pass's issue
+// slots (one shuffle per clock per SM against four FMAs).
+__device__ __forceinline__ int mix24_index(int lane) {
+  return ((lane >> 4) & 1) * 12 + ((lane >> 3) & 1) * 6 + ((lane >> 2) & 1) * 3 + (lane & 3);
+}
+__device__ __forceinline__ float warp_sum24_scatter(const float (&v)[kHcMix], int lane) {
+  static_assert(kHcMix == 24, "the halving steps are for 24 values");
+  float a[12], b[6], c[4], d[2];
+  bool up = (lane & 16) != 0;
+#pragma unroll
+  for (int j = 0; j < 12; ++j) a[j] = (up ? v[j + 12] : v[j]) + __shfl_xor_sync(kFull, up ? v[j] : v[j + 12], 16);
+  up = (lane & 8) != 0;
+#pragma unroll
+  for (int j = 0; j < 6; ++j) b[j] = (up ? a[j + 6] : a[j]) + __shfl_xor_sync(kFull, up ? a[j] : a[j + 6], 8);
+  up = (lane & 4) != 0;
+#pragma unroll
+  for (int j = 0; j < 3; ++j) c[j] = (up ? b[j + 3] : b[j]) + __shfl_xor_sync(kFull, up ? b[j] : b[j + 3], 4);
+  c[3] = 0.0f;
+  up = (lane & 2) != 0;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) d[j] = (up ? c[j + 2] : c[j]) + __shfl_xor_sync(kFull, up ? c[j] : c[j + 2], 2);
+  up = (lane & 1) != 0;
+  return (up ? d[1] : d[0]) + __shfl_xor_sync(kFull, up ? d[0] : d[1], 1);
+}
+
 // Wide pass (prefill): block (chunk of 128 columns, TT tokens), one column per thread,
 // Φ of the column (96 values) in registers for the TT tokens.
 template <typename T, int TT>
@@ -209,14 +238,16 @@ __global__ void __launch_bounds__(kWide) hc_pass_wide_kernel(const PassParams p)
     if (fn) {
 #pragma unroll
       for (int m = 0; m < kM; ++m) ssx += static_cast<double>(x[m]) * static_cast<double>(x[m]);
+      float acc[kHcMix];
 #pragma unroll
       for (int o = 0; o < kHcMix; ++o) {
-        float acc = 0.0f;
+        float a = 0.0f;
 #pragma unroll
-        for (int m = 0; m < kM; ++m) acc = fmaf(ph[o][m], x[m], acc);
-        acc = warp_sum(acc);
-        if (lane == 0) red_z[warp][o] = acc;
+        for (int m = 0; m < kM; ++m) a = fmaf(ph[o][m], x[m], a);
+        acc[o] = a;
       }
+      const float z = warp_sum24_scatter(acc, lane);
+      if ((lane & 3) < 3) red_z[warp][mix24_index(lane)] = z;
     }
     if (pre) {
       float c = 0.0f;
@@ -226,11 +257,12 @@ __global__ void __launch_bounds__(kWide) hc_pass_wide_kernel(const PassParams p)
       st(static_cast<T*>(p.collapsed), static_cast<int64_t>(t) * D + d, c);
       ssc = static_cast<double>(c) * static_cast<double>(c);
     }
-    ssx = warp_sum(ssx);
-    ssc = warp_sum(ssc);
-    if (lane == 0) {
-      red_d[warp][0] = ssx;
-      red_d[warp][1] = ssc;
+    {  // both sums in one butterfly: lanes 0-15 end with Σx², lanes 16-31 with Σc²
+      const bool up = (lane & 16) != 0;
+      double s2 = (up ? ssc : ssx) + __shfl_xor_sync(kFull, up ? ssx : ssc, 16);
+#pragma unroll
+      for (int o = 8; o > 0; o >>= 1) s2 += __shfl_xor_sync(kFull, s2, o);
+      if ((lane & 15) == 0) red_d[warp][lane >> 4] = s2;
     }
     __syncthreads();
     if (fn && threadIdx.x < kHcMix) {
