@@ -397,7 +397,12 @@ constexpr size_t attn_mma_smem_bytes() {
 // took ~3 us of the ~9 at 8k).
 constexpr int kMmaThreads = 256;
 
-template <int HD>
+// PIPE (prefill chunks: one split, T > 8): the next chunk's selected-row ids are loaded
+// into registers while the current chunk's rows land and are decoded, and its row copies
+// are issued right after the decode, so they stream during the current chunk's products
+// instead of after them (the decode-sized launches keep the chunk-at-a-time loop). Same
+// operations in the same order: bit-identical output.
+template <int HD, bool PIPE = false>
 __global__ void __launch_bounds__(kMmaThreads) attn_mma_kernel(AttnParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   constexpr int QS = HD + 8;  // q_s / kv_s row stride (elements)
@@ -500,19 +505,34 @@ __global__ void __launch_bounds__(kMmaThreads) attn_mma_kernel(AttnParams p) {
 
   for (int c0 = rb; c0 < re; c0 += kC) {
     const int nr = min(kC, re - c0);
-    __syncthreads();
-    if constexpr (kAsyncRows<HD>) {
-      if (c0 != rb) issue_chunk(c0);
+    if constexpr (PIPE && kAsyncRows<HD>) {
+      const int c1 = c0 + kC, nr1 = c1 < re ? min(kC, re - c1) : 0;
+      int32_t nid = 0;  // (the next chunk's selected-row id of this thread: in flight meanwhile)
+      if (tid < nr1 && c1 + tid >= nw) nid = p.sel[static_cast<int64_t>(t) * p.sel_ld + (c1 + tid - nw)];
       dev::cp_async_commit();
       dev::cp_async_wait<0>();
-      __syncthreads();
+      __syncthreads();  // (this chunk's rows have landed; kv_s, s_s, p_s and ids_s are free)
       dev::trace_mark(12);
       dev::trace_mark(22, mk_last);
       convert_rows<HD, kMmaThreads>(raw_s, c0, nr, nw, kv_s, QS);
+      if (tid < nr1) ids_s[tid] = nid;
+      __syncthreads();
+      if (nr1 > 0) copy_rows_async<HD, kMmaThreads>(p, c1, nr1, nw, lo_w, p0, ids_s, raw_s);
     } else {
-      decode_rows<HD, kMmaThreads>(p, t, c0, nr, nw, lo_w, p0, kv_s, QS, true);
+      __syncthreads();
+      if constexpr (kAsyncRows<HD>) {
+        if (c0 != rb) issue_chunk(c0);
+        dev::cp_async_commit();
+        dev::cp_async_wait<0>();
+        __syncthreads();
+        dev::trace_mark(12);
+        dev::trace_mark(22, mk_last);
+        convert_rows<HD, kMmaThreads>(raw_s, c0, nr, nw, kv_s, QS);
+      } else {
+        decode_rows<HD, kMmaThreads>(p, t, c0, nr, nw, lo_w, p0, kv_s, QS, true);
+      }
+      __syncthreads();
     }
-    __syncthreads();
     dev::trace_mark(15);
     if (warp < 4) {  // (mma warps)
       // S tile of this warp: 16 heads x key rows 8w .. 8w+7, as four independent mma
@@ -770,17 +790,25 @@ bool mma_available() {
   return cached == 1;
 }
 
-template <int HD>
-void launch_mma(const AttnArgs& a, const AttnParams& prm, cudaStream_t stream) {
+template <int HD, bool PIPE>
+void launch_mma_kernel(const AttnArgs& a, const AttnParams& prm, cudaStream_t stream) {
   constexpr size_t smem = attn_mma_smem_bytes<HD>();
-  static bool configured = false;
+  static bool configured = false;  // per instantiation
   if (!configured) {
-    DSX_CUDA_CHECK(cudaFuncSetAttribute(attn_mma_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    DSX_CUDA_CHECK(cudaFuncSetAttribute(attn_mma_kernel<HD, PIPE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(smem)));
     configured = true;
   }
   dim3 grid(a.n_splits, a.n_heads / 16, a.T);
-  detail::launch_pdl(attn_mma_kernel<HD>, grid, dim3(kMmaThreads), smem, stream, prm);
+  detail::launch_pdl(attn_mma_kernel<HD, PIPE>, grid, dim3(kMmaThreads), smem, stream, prm);
+}
+
+template <int HD>
+void launch_mma(const AttnArgs& a, const AttnParams& prm, cudaStream_t stream) {
+  if (a.n_splits == 1 && a.T > 8)
+    launch_mma_kernel<HD, true>(a, prm, stream);
+  else
+    launch_mma_kernel<HD, false>(a, prm, stream);
   if (a.n_splits > 1)
     detail::launch_pdl(attn_combine_kernel<bf16, HD>, dim3(a.n_heads, a.T), dim3(HD), 0, stream, a.n_heads,
                        a.n_splits, static_cast<const float*>(a.work), static_cast<const float*>(a.sink), a.n_pairs,
