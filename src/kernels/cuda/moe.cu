@@ -11,7 +11,9 @@
 #include "kernels/cuda/gemv_ring_device.cuh"
 #include "kernels/cuda/gemv_launch.h"
 #include "kernels/cuda/moe_device.cuh"
+#include "kernels/cuda/moe_grouped.h"
 #include "util/error.h"
+#include "util/switches.h"
 
 namespace dsx::cuda {
 
@@ -1166,13 +1168,6 @@ void moe_decode(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int T, 
 
 // =================================================================================
 // Prefill
-}  // namespace dsx::cuda
-
-// (the prefill half's own headers)
-#include "kernels/cuda/moe_grouped.h"
-#include "util/switches.h"
-
-namespace dsx::cuda {
 namespace {
 
 __global__ void count_kernel(const int32_t* __restrict__ ids, int n, int E, int* __restrict__ counts) {
