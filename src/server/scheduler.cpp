@@ -464,6 +464,12 @@ void Scheduler::prefill_piece(Active& a) {
   }
 }
 
+// Tokens a job may still generate: its max_tokens, and its session's capacity (the last
+// generated token is sampled, not fed); at 0 it ends with finish reason length.
+int64_t Scheduler::output_left(const Active& a) const {
+  return std::min<int64_t>(a.job->max_tokens - a.generated, a.slot->s->capacity() - 1 - a.slot->s->position());
+}
+
 void Scheduler::decode_step(std::vector<Active*>& ds) {
   const int64_t V = eng_.config().vocab_size;
   Step st;
@@ -473,11 +479,7 @@ void Scheduler::decode_step(std::vector<Active*>& ds) {
     in[i] = a.anchor;
     const bool greedy = a.job->sampling.temperature <= 0.0f;
     Constraint* c = a.job->constraint.get();
-    if (c) {  // (this step's token is the one after `generated`: wrap up while the reserve is left)
-      const int64_t left = std::min<int64_t>(a.job->max_tokens - a.generated,
-                                             a.slot->s->capacity() - 1 - a.slot->s->position());
-      if (left <= o_.wrap_up_reserve) c->wrap_up();
-    }
+    if (c && output_left(a) <= o_.wrap_up_reserve) c->wrap_up();  // (this step's token comes next)
     if (c && c->passive()) c = nullptr;  // (a lazy constraint before its trigger: decoded as usual)
     // a constrained job needs the logits on the host (or nothing, when its next token is forced)
     const bool want_logits = c ? c->needs_logits() : !greedy;
@@ -524,7 +526,7 @@ void Scheduler::decode_step(std::vector<Active*>& ds) {
     if (!ev.empty()) a.job->sink->events(ev);
     if (a.parser->should_stop() || (a.job->constraint && a.job->constraint->done())) {
       finish(a, text::EndCause::Eos);
-    } else if (a.generated >= a.job->max_tokens || a.slot->s->position() + 1 >= a.slot->s->capacity()) {
+    } else if (output_left(a) <= 0) {
       finish(a, text::EndCause::Length);
     }
   }

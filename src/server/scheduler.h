@@ -154,6 +154,7 @@ class Scheduler {
   void drop(Active& a, const char* why);
   Slot* pick_slot(const Job& j, int64_t disk_tokens);
   void rebase_on_live(Job& j);
+  int64_t output_left(const Active& a) const;
   bool slot_available() const;
   int64_t live_reuse(const Slot& sl, const std::vector<int32_t>& prompt, int64_t goal) const;
   std::vector<std::pair<int64_t, SaveReason>> save_points(const std::vector<int32_t>& prompt, int64_t from,
