@@ -129,46 +129,45 @@ def concurrency_level(url, c, prompt_words, max_tokens, seed):
     }
 
 
-def reuse(url, prompt_words, max_tokens, seed):
+def first_turn(url, prompt_words, max_tokens, seed, tag):
+    """A conversation's cold turn; returns its second turn's messages (the answer and a
+    next user message) with the cold figures."""
     rng = random.Random(seed)
     msgs = [{"role": "system", "content": words(rng, 40)},
-            {"role": "user", "content": f"[reuse {seed}] " + words(rng, prompt_words)}]
-    cold = stream_chat(url, msgs, max_tokens)
-    msgs2 = msgs + [{"role": "assistant", "content": cold["text"]},
-                    {"role": "user", "content": words(rng, 30)}]
-    warm = stream_chat(url, msgs2, max_tokens)
-    tc, tw = cold["first"] - cold["t0"], warm["first"] - warm["t0"]
-    cached = (warm["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return {
-        "cold_prompt_tokens": cold["usage"]["prompt_tokens"], "cold_ttft_s": tc,
-        "second_turn_prompt_tokens": warm["usage"]["prompt_tokens"], "second_turn_cached_tokens": cached,
-        "second_turn_ttft_s": tw, "ttft_ratio_cold_over_second": tc / tw if tw > 0 else float("inf"),
-    }
-
-
-def save_conversation(url, prompt_words, max_tokens, seed, path):
-    """The cold turn of a conversation; writes its messages (with the answer and a next user message)."""
-    rng = random.Random(seed)
-    msgs = [{"role": "system", "content": words(rng, 40)},
-            {"role": "user", "content": f"[restart {seed}] " + words(rng, prompt_words)}]
+            {"role": "user", "content": f"[{tag} {seed}] " + words(rng, prompt_words)}]
     cold = stream_chat(url, msgs, max_tokens)
     msgs2 = msgs + [{"role": "assistant", "content": cold["text"]}, {"role": "user", "content": words(rng, 30)}]
-    with open(path, "w") as f:
-        json.dump({"messages": msgs2, "cold_ttft_s": cold["first"] - cold["t0"],
-                   "cold_prompt_tokens": cold["usage"]["prompt_tokens"]}, f)
-    return {"cold_prompt_tokens": cold["usage"]["prompt_tokens"], "cold_ttft_s": cold["first"] - cold["t0"]}
+    return {"messages": msgs2, "cold_ttft_s": cold["first"] - cold["t0"],
+            "cold_prompt_tokens": cold["usage"]["prompt_tokens"]}
 
 
-def continue_conversation(url, max_tokens, path):
-    """The saved conversation's second turn (e.g. against a restarted server)."""
-    with open(path) as f:
-        saved = json.load(f)
+def second_turn(url, max_tokens, saved):
+    """The second turn of a conversation first_turn made (this server's or a restarted one's)."""
     r = stream_chat(url, saved["messages"], max_tokens)
     cached = (r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     t = r["first"] - r["t0"]
     return {"cold_prompt_tokens": saved["cold_prompt_tokens"], "cold_ttft_s": saved["cold_ttft_s"],
             "second_turn_prompt_tokens": r["usage"]["prompt_tokens"], "second_turn_cached_tokens": cached,
-            "second_turn_ttft_s": t, "ttft_ratio_cold_over_second": saved["cold_ttft_s"] / t if t > 0 else 0.0}
+            "second_turn_ttft_s": t,
+            "ttft_ratio_cold_over_second": saved["cold_ttft_s"] / t if t > 0 else float("inf")}
+
+
+def reuse(url, prompt_words, max_tokens, seed):
+    return second_turn(url, max_tokens, first_turn(url, prompt_words, max_tokens, seed, "reuse"))
+
+
+def save_conversation(url, prompt_words, max_tokens, seed, path):
+    """The cold turn of a conversation, saved for continue_conversation."""
+    saved = first_turn(url, prompt_words, max_tokens, seed, "restart")
+    with open(path, "w") as f:
+        json.dump(saved, f)
+    return {"cold_prompt_tokens": saved["cold_prompt_tokens"], "cold_ttft_s": saved["cold_ttft_s"]}
+
+
+def continue_conversation(url, max_tokens, path):
+    """The saved conversation's second turn (e.g. against a restarted server)."""
+    with open(path) as f:
+        return second_turn(url, max_tokens, json.load(f))
 
 
 def main():
