@@ -501,7 +501,7 @@ TEST(DSparkDecoding, RingsHoldOnlyCommittedRows) {
   int64_t compared = 0;
   for (int si = 0; si < F.drafter->n_stages(); ++si)
     for (int64_t p = T - want.window(); p < T; ++p) {
-      const float* x = ctx.state().row(si, p);
+      const float* x = dynamic_cast<const DSparkState&>(ctx.state()).row(si, p);
       const float* y = want.row(si, p);
       ASSERT_TRUE(x && y) << "stage " << si << " position " << p;
       // (rows of a 1-row and a T-row forward: the CPU engine's rows are exact)

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/bench_dspark.h"
 #include "cli/registry.h"
 #include "runtime/bench_report.h"
 #include "model/cost_model.h"
@@ -21,6 +22,7 @@
 #include "util/error.h"
 #include "util/threadpool.h"
 #ifdef DSX_HAVE_CUDA
+#include "runtime/cuda_drafter.h"
 #include "runtime/cuda_engine.h"
 #endif
 
@@ -126,8 +128,9 @@ void bench_rows(Engine& eng, Session& s, const std::vector<int>& rows, int iters
 int cmd_bench(int argc, char** argv) {
   Args a(argc, argv,
          {"-m", "--backend", "--precision", "--threads", "--frontiers", "--chunk", "--decode-tokens", "--csv", "--svg",
-          "--seed", "--synthetic", "--layers", "--prefill-max", "--rows", "--iters"},
-         {"--batch"});
+          "--seed", "--synthetic", "--layers", "--prefill-max", "--rows", "--iters", "--dspark-tokens",
+          "--dspark-prompts", "--dspark-per-category"},
+         {"--batch", "--dspark"});
   // Intervals longer than --prefill-max tokens are prefilled only for their last
   // --prefill-max tokens; the rest is filled with random cache contents
   // (synthetic_fill) when the backend supports it. 0 = always prefill.
@@ -145,10 +148,22 @@ int cmd_bench(int argc, char** argv) {
   const bool synthetic = a.has("--synthetic");
   [[maybe_unused]] const int layers = static_cast<int>(a.get_int("--layers", 4));
 #ifdef DSX_HAVE_CUDA
+  ModelConfig syn_cfg;
   if (synthetic) {
     if (a.require("--synthetic") != "v41-flash") fail("--synthetic: only v41-flash is known");
     o.backend = "cuda";
-    eng = make_synthetic_cuda_engine(synthetic_v41_flash_config(layers), o, static_cast<uint64_t>(a.get_int("--seed", 1)));
+    syn_cfg = synthetic_v41_flash_config(layers);
+    if (a.has("--dspark")) {
+      // the release's DSpark keys (spec dspark.md §2.1): taps of the last three layers
+      // (layer inputs, so from layer 1 on), 3 stages of 128 experts, top-3
+      for (int l = std::max(1, layers - 3); l < layers; ++l) syn_cfg.dspark_target_layers.push_back(l);
+      syn_cfg.dspark_block_size = 5;
+      syn_cfg.dspark_noise_token_id = 128799;
+      syn_cfg.dspark_markov_rank = 256;
+      syn_cfg.dspark_n_routed_experts = 128;
+      syn_cfg.dspark_experts_per_tok = 3;
+    }
+    eng = make_synthetic_cuda_engine(syn_cfg, o, static_cast<uint64_t>(a.get_int("--seed", 1)));
   }
 #else
   if (synthetic) fail("--synthetic needs the CUDA backend (this build has none)");
@@ -167,6 +182,22 @@ int cmd_bench(int argc, char** argv) {
     bytes40_per_layer_ratio = 1;
   }
 #endif
+  if (a.has("--dspark")) {
+    DSparkBenchOptions d;
+    d.tokens = a.get_int("--dspark-tokens", 512);
+    d.categories = a.get_or("--dspark-prompts", "code,agent");
+    d.prompts = static_cast<int>(a.get_int("--dspark-per-category", 0));
+    d.iters = static_cast<int>(a.get_int("--iters", 20));
+    if (d.tokens < 2) fail("--dspark-tokens must be >= 2");
+    std::printf("# dsx bench: %s\n", eng->describe().c_str());
+#ifdef DSX_HAVE_CUDA
+    if (synthetic) {
+      auto dr = make_synthetic_cuda_drafter(syn_cfg, 3, o.precision, static_cast<uint64_t>(a.get_int("--seed", 1)) + 1);
+      return bench_dspark_synthetic(*eng, *dr, d);
+    }
+#endif
+    return bench_dspark_model(*eng, a.require("-m"), d);
+  }
   const int64_t V = eng->config().vocab_size;
   std::mt19937 rng(static_cast<uint32_t>(a.get_int("--seed", 1)));
   std::uniform_int_distribution<int32_t> tok(3, static_cast<int32_t>(std::min<int64_t>(V, 128000) - 1));

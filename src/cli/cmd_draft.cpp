@@ -4,7 +4,8 @@
 // every anchor into the drafter's rings and drafts there (model/dspark.h): greedy drafts
 // and the forced variant. Writes the taps and the drafter's outputs under the golden's
 // names, shapes and dtypes, and, when the file carries the reference values, prints how
-// far they are.
+// far they are. --backend cuda runs the target and the drafter on the GPU (the CUDA
+// drafter, backend/cuda/dspark_drafter.h) in --precision fp32 (the golden's) or bf16.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -14,6 +15,7 @@
 #include "cli/golden_check.h"
 #include "cli/registry.h"
 #include "model/dspark.h"
+#include "runtime/dspark_decoding.h"
 #include "runtime/engine.h"
 #include "util/error.h"
 #include "util/safetensors.h"
@@ -23,7 +25,7 @@ namespace dsx::cli {
 
 namespace {
 
-const std::vector<std::string> kValueOpts = {"-m", "--golden", "-o", "--threads"};
+const std::vector<std::string> kValueOpts = {"-m", "--golden", "-o", "--threads", "--backend", "--precision"};
 const std::vector<std::string> kFlagOpts = {"--quiet", "-h", "--help"};
 
 void usage() {
@@ -31,7 +33,7 @@ void usage() {
       "usage: dsx draft -m DIR --golden FILE -o OUT [options]\n"
       "\n"
       "Runs the DSpark drafter of a model directory on the anchors of a DSpark golden file:\n"
-      "prefills the file's input_ids on the CPU target (its DSpark taps), writes the taps of\n"
+      "prefills the file's input_ids on the target (its DSpark taps), writes the taps of\n"
       "the committed positions into the drafter's rings and drafts at every anchor (greedy,\n"
       "and with the file's forced previous tokens). Reads input_ids, anchor_positions,\n"
       "anchor_tokens and dspark.forced_prev_tokens; writes taps, dspark.base_logits,\n"
@@ -44,6 +46,8 @@ void usage() {
       "  -m DIR          model directory with DSpark stages (config.json, weights, tokenizer.json)\n"
       "  --golden FILE   dspark golden safetensors (e.g. dspark_golden.safetensors)\n"
       "  -o OUT          output safetensors file\n"
+      "  --backend B     cpu (default) or cuda: the target and the drafter on this backend\n"
+      "  --precision P   cuda: fp32 (default, the golden's arithmetic) or bf16\n"
       "  --threads N     CPU threads\n"
       "  --quiet         no per-anchor lines and no comparison with the golden's values\n"
       "  -h, --help      this text\n");
@@ -90,11 +94,13 @@ int cmd_draft(int argc, char** argv) {
   if (a.has("--threads")) set_num_threads(static_cast<int>(a.get_int("--threads", 0)));
   const bool quiet = a.has("--quiet");
 
-  // the drafter first: a model without stages is refused before anything runs
-  auto drafter = DSparkDrafter::load(dir);
-  const ModelConfig& cfg = drafter->config();
-  const int64_t B = drafter->block_size(), V = cfg.vocab_size, D = cfg.hidden, R = cfg.dspark_markov_rank;
-  const int64_t TW = drafter->tap_width();
+  // a model without stages is refused before anything runs
+  {
+    std::string why;
+    if (!dspark_available(dir, &why)) fail(why);
+  }
+  const ModelConfig cfg0 = load_model_config(dir);
+  const int64_t B = cfg0.dspark_block_size, V = cfg0.vocab_size;
 
   // the golden's inputs
   const SafetensorsFile g(golden);
@@ -125,11 +131,16 @@ int cmd_draft(int argc, char** argv) {
         fail(g.path(), ": dspark.forced_prev_tokens[", i, ", ", j, "] = ", fprev[i * B + j], " is outside the vocabulary");
   }
 
-  // the target: one prefill of the prompt, its taps
+  // the target: one prefill of the prompt, its taps; the drafter on the same backend
   EngineOptions o;
-  o.backend = "cpu";
+  o.backend = a.get_or("--backend", "cpu");
+  o.precision = a.get_or("--precision", "fp32");
+  if (o.backend != "cpu" && o.backend != "cuda") fail("--backend must be cpu or cuda (got '", o.backend, "')");
   o.max_context = T + 16;
   auto eng = load_engine(dir, o);
+  const std::unique_ptr<Drafter> drafter = load_drafter(dir, *eng);
+  const ModelConfig& cfg = drafter->config();
+  const int64_t D = cfg.hidden, R = cfg.dspark_markov_rank, TW = drafter->tap_width();
   if (eng->tap_width() != TW) fail(dir, ": the target's taps are ", eng->tap_width(), " wide, the drafter's ", TW);
   std::vector<float> taps(static_cast<size_t>(T * TW));
   {
@@ -144,19 +155,21 @@ int cmd_draft(int argc, char** argv) {
   std::vector<float> conf(static_cast<size_t>(A * B)), fconf(conf.size()), confp(conf.size()), fconfp(conf.size());
   std::vector<float> margin(conf.size()), z(static_cast<size_t>(A * B * D)), emb(static_cast<size_t>(A * B * R));
   std::vector<int32_t> drafts(conf.size()), prev(conf.size()), bids(conf.size()), bpos(conf.size());
-  DSparkState st = drafter->new_state();
+  std::unique_ptr<DrafterState> st = drafter->make_state();
+  std::vector<float> bz, bbase;
   for (int64_t i = 0; i < A; ++i) {
     const int64_t n = apos[i];
-    if (n < st.end()) st = drafter->new_state();  // (anchors out of order: a fresh window)
-    const int64_t p0 = std::max<int64_t>(st.end(), std::max<int64_t>(0, n - st.capacity()));
-    drafter->observe(st, taps.data() + p0 * TW, n - p0, p0);
-    const DSparkBlock blk = drafter->block(st, atok[i], n);
-    const DSparkDraft gd = drafter->greedy(blk);
-    const DSparkDraft fd = drafter->forced(blk, fprev + i * B);
-    std::copy(blk.base_logits.begin(), blk.base_logits.end(), base.begin() + i * B * V);
+    if (n < st->end()) st = drafter->make_state();  // (anchors out of order: a fresh window)
+    const int64_t p0 = std::max<int64_t>(st->end(), std::max<int64_t>(0, n - st->capacity()));
+    drafter->observe(*st, taps.data() + p0 * TW, n - p0, p0);
+    const std::unique_ptr<DraftBlock> blk = drafter->draft_block(*st, atok[i], n);
+    const DSparkDraft gd = drafter->greedy(*blk);
+    drafter->block_values(*blk, &bz, &bbase);
+    const DSparkDraft fd = drafter->forced(*blk, fprev + i * B);
+    std::copy(bbase.begin(), bbase.end(), base.begin() + i * B * V);
     std::copy(gd.markov_logits.begin(), gd.markov_logits.end(), mk.begin() + i * B * V);
     std::copy(fd.markov_logits.begin(), fd.markov_logits.end(), fmk.begin() + i * B * V);
-    std::copy(blk.z.begin(), blk.z.end(), z.begin() + i * B * D);
+    std::copy(bz.begin(), bz.end(), z.begin() + i * B * D);
     std::copy(gd.markov_embed.begin(), gd.markov_embed.end(), emb.begin() + i * B * R);
     for (int64_t j = 0; j < B; ++j) {
       const size_t k = static_cast<size_t>(i * B + j);
@@ -178,7 +191,7 @@ int cmd_draft(int argc, char** argv) {
     }
     if (!quiet) {
       std::printf("anchor %lld (token %d, %lld ring rows): drafts", static_cast<long long>(n), atok[i],
-                  static_cast<long long>(st.context_rows(n)));
+                  static_cast<long long>(st->context_rows(n)));
       for (int64_t j = 0; j < B; ++j) std::printf(" %d", gd.tokens[j]);
       std::printf("  confidence");
       for (int64_t j = 0; j < B; ++j) std::printf(" %.3f", dspark_confidence(gd.confidence_logits[j]));

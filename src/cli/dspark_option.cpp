@@ -15,7 +15,7 @@ const char* const kDSparkHelp =
     "                      distribution when sampling): on chooses how many drafts to\n"
     "                      verify per cycle from the drafter's confidences, static K always\n"
     "                      verifies K (0 .. dspark_block_size); default on when the model\n"
-    "                      has stages and the backend is cpu (the drafter runs on the CPU)\n";
+    "                      has stages (the drafter computes on the engine's backend)\n";
 
 namespace {
 bool is_number(const std::string& s) {
@@ -67,16 +67,17 @@ DSparkSetup setup_dspark(const DSparkChoice& c, const std::string& dir, const En
   DSparkSetup s;
   if (c.mode == DSparkChoice::Mode::Off) return s;
   std::string why;
-  // (the default is silent: plain decoding is what a model without stages, or a CUDA
-  // engine until the CUDA drafter exists, is expected to do; an explicit request says why not)
+  // (the default is silent: plain decoding is what a model without stages, or a backend
+  // without a drafter, is expected to do; an explicit request says why not)
   if (!dspark_available(dir, &why)) {
     if (c.mode != DSparkChoice::Mode::Default) std::fprintf(stderr, "model has no DSpark stages: plain decoding\n");
     return s;
   }
-  if (c.mode == DSparkChoice::Mode::Default && eng.backend_name() != "cpu") {
-    return s;
+  if (!drafter_backend_available(eng.backend_name())) {
+    if (c.mode == DSparkChoice::Mode::Default) return s;
+    fail("--dspark: no DSpark drafter for backend '", eng.backend_name(), "' in this build");
   }
-  s.drafter = DSparkDrafter::load(dir);
+  s.drafter = load_drafter(dir, eng);
   DSparkOptions o;
   if (c.mode == DSparkChoice::Mode::Static) {
     const int B = s.drafter->block_size();

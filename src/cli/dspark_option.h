@@ -2,10 +2,11 @@
 // argv (its two-word form does not fit Args), and the decoding strategy it resolves to
 // for a model directory and an engine (runtime/dspark_decoding.h).
 //
-// Default (no --dspark): on when the model has DSpark stages and the engine is the CPU
-// one (the drafter computes on the CPU; on CUDA a CPU drafter costs more than it saves
-// until the CUDA drafter exists: `--dspark on` forces it). A model without stages runs
-// plain decoding, silently; with an explicit --dspark on / static K it says so once.
+// The drafter computes where the engine does (runtime/dspark_decoding.h load_drafter:
+// the CPU reference for a CPU engine, the CUDA drafter in the engine's precision for a
+// CUDA one). Default (no --dspark): on when the model has DSpark stages and the engine's
+// backend has a drafter. A model without stages runs plain decoding, silently; with an
+// explicit --dspark on / static K it says so once.
 #pragma once
 #include <memory>
 #include <string>
@@ -34,7 +35,7 @@ DSparkChoice take_dspark(int argc, char** argv, const std::vector<std::string>& 
 // The strategy generation runs with: DSpark (drafter and strategy set), or plain
 // (strategy null). `name` is the resolved mode: "off" | "on" | "static K".
 struct DSparkSetup {
-  std::unique_ptr<DSparkDrafter> drafter;
+  std::unique_ptr<Drafter> drafter;
   std::unique_ptr<DSparkDecoding> strategy;
   std::string name = "off";
 };

@@ -279,6 +279,44 @@ DSparkState DSparkDrafter::new_state(int rollback_depth) const {
   return DSparkState(w_.n_stages, cfg_.window, cfg_.head_dim, rollback_depth);
 }
 
+std::unique_ptr<DrafterState> DSparkDrafter::make_state(int rollback_depth) const {
+  return std::make_unique<DSparkState>(new_state(rollback_depth));
+}
+
+int64_t DSparkDrafter::weight_bytes() const {
+  int64_t n = w_.main_proj.bytes() + w_.markov_embed.bytes() + w_.markov_head.bytes();
+  for (const LayerWeights& L : w_.stages) {
+    for (const QMatrix* q : {&L.hc_attn_fn, &L.hc_ffn_fn, &L.wq_a, &L.wq_b, &L.wkv, &L.wo_a, &L.wo_b, &L.gate, &L.sw1,
+                             &L.sw2, &L.sw3})
+      n += q->bytes();
+    for (const auto* e : {&L.w1, &L.w2, &L.w3})
+      for (const QMatrix& q : *e) n += q.bytes();
+  }
+  return n;
+}
+
+namespace {
+DSparkState& cpu_state(DrafterState& st) {
+  auto* s = dynamic_cast<DSparkState*>(&st);
+  DSX_CHECK(s, "DSpark: a drafter state of another backend given to the CPU drafter");
+  return *s;
+}
+const DSparkState& cpu_state(const DrafterState& st) { return cpu_state(const_cast<DrafterState&>(st)); }
+const DSparkBlock& cpu_block(const DraftBlock& b) {
+  const auto* p = dynamic_cast<const DSparkBlock*>(&b);
+  DSX_CHECK(p, "DSpark: a draft block of another backend given to the CPU drafter");
+  return *p;
+}
+}  // namespace
+
+void DSparkDrafter::observe(DrafterState& st, const float* taps, int64_t T, int64_t p0) const {
+  observe(cpu_state(st), taps, T, p0);
+}
+
+std::unique_ptr<DraftBlock> DSparkDrafter::draft_block(const DrafterState& st, int32_t anchor, int64_t n) const {
+  return std::make_unique<DSparkBlock>(block(cpu_state(st), anchor, n));
+}
+
 // §5.1 step 1: u_p = RMSNorm_{main_norm}(main_proj . QA8(g_p)).
 void DSparkDrafter::fuse(const float* taps, int64_t T, float* u) const {
   if (T <= 0) return;
@@ -483,6 +521,21 @@ void DSparkDrafter::moe(int s, const Vec& f, Vec& out, DSparkDebug* dbg) const {
 
 // ---------------------------------------------------------------------------
 // §5.6 Markov walk and §5.7 confidence; prev null: greedy (prev_j = d_j).
+void DSparkDrafter::markov_row(const DSparkBlock& b, int64_t j, int32_t p, float* lj, float* e, float* conf) const {
+  const int64_t D = cfg_.hidden, V = cfg_.vocab_size, R = cfg_.dspark_markov_rank;
+  if (p < 0 || p >= V) fail("DSpark: previous token ", p, " of block row ", j, " outside the vocabulary (", V, ")");
+  thread_local Vec bias, cat;
+  bias.resize(static_cast<size_t>(V));
+  cat.resize(static_cast<size_t>(D + R));
+  w_.markov_embed.dequant_rows(p, p + 1, e);
+  cpu::matmul(e, 1, w_.markov_head, bias.data());  // f32 accumulation
+  const float* base = b.base_logits.data() + j * V;
+  for (int64_t v = 0; v < V; ++v) lj[v] = base[v] + bias[static_cast<size_t>(v)];
+  std::memcpy(cat.data(), b.z.data() + j * D, static_cast<size_t>(D) * 4);
+  std::memcpy(cat.data() + D, e, static_cast<size_t>(R) * 4);
+  *conf = cpu::dot(w_.confidence.data(), cat.data(), D + R);
+}
+
 void DSparkDrafter::markov(const DSparkBlock& b, const int32_t* prev, DSparkDraft& d) const {
   const int64_t B = cfg_.dspark_block_size, D = cfg_.hidden, V = cfg_.vocab_size, R = cfg_.dspark_markov_rank;
   DSX_CHECK(static_cast<int64_t>(b.base_logits.size()) == B * V && static_cast<int64_t>(b.z.size()) == B * D,
@@ -490,37 +543,42 @@ void DSparkDrafter::markov(const DSparkBlock& b, const int32_t* prev, DSparkDraf
   d = DSparkDraft{};
   d.prev.resize(static_cast<size_t>(B));
   d.tokens.resize(static_cast<size_t>(B));
-  d.markov_logits = b.base_logits;
+  d.markov_logits.resize(static_cast<size_t>(B * V));
   d.markov_embed.resize(static_cast<size_t>(B * R));
   d.confidence_logits.resize(static_cast<size_t>(B));
-  Vec bias(static_cast<size_t>(V)), cat(static_cast<size_t>(D + R));
   for (int64_t j = 0; j < B; ++j) {
     const int32_t p = prev ? prev[j] : (j == 0 ? b.anchor : d.tokens[static_cast<size_t>(j - 1)]);
-    if (p < 0 || p >= V) fail("DSpark: previous token ", p, " of block row ", j, " outside the vocabulary (", V, ")");
     d.prev[static_cast<size_t>(j)] = p;
-    float* e = d.markov_embed.data() + j * R;
-    w_.markov_embed.dequant_rows(p, p + 1, e);
-    cpu::matmul(e, 1, w_.markov_head, bias.data());  // f32 accumulation
     float* lj = d.markov_logits.data() + j * V;
-    for (int64_t v = 0; v < V; ++v) lj[v] += bias[static_cast<size_t>(v)];
+    markov_row(b, j, p, lj, d.markov_embed.data() + j * R, &d.confidence_logits[static_cast<size_t>(j)]);
     d.tokens[static_cast<size_t>(j)] = argmax(lj, V);
-    std::memcpy(cat.data(), b.z.data() + j * D, static_cast<size_t>(D) * 4);
-    std::memcpy(cat.data() + D, e, static_cast<size_t>(R) * 4);
-    d.confidence_logits[static_cast<size_t>(j)] = cpu::dot(w_.confidence.data(), cat.data(), D + R);
   }
 }
 
-DSparkDraft DSparkDrafter::greedy(const DSparkBlock& b) const {
+DSparkDraft DSparkDrafter::greedy(const DraftBlock& b, bool) const {
   DSparkDraft d;
-  markov(b, nullptr, d);
+  markov(cpu_block(b), nullptr, d);
   return d;
 }
 
-DSparkDraft DSparkDrafter::forced(const DSparkBlock& b, const int32_t* prev) const {
+DSparkDraft DSparkDrafter::forced(const DraftBlock& b, const int32_t* prev, bool) const {
   DSX_CHECK(prev, "DSpark forced: no previous tokens");
   DSparkDraft d;
-  markov(b, prev, d);
+  markov(cpu_block(b), prev, d);
   return d;
+}
+
+void DSparkDrafter::forced_row(const DraftBlock& blk, int j, int32_t prev, float* logits, float* conf) const {
+  const DSparkBlock& b = cpu_block(blk);
+  DSX_CHECK(j >= 0 && j < cfg_.dspark_block_size, "DSpark forced_row: row ", j, " outside the block");
+  std::vector<float> e(static_cast<size_t>(cfg_.dspark_markov_rank));
+  markov_row(b, j, prev, logits, e.data(), conf);
+}
+
+void DSparkDrafter::block_values(const DraftBlock& blk, std::vector<float>* z, std::vector<float>* base) const {
+  const DSparkBlock& b = cpu_block(blk);
+  if (z) *z = b.z;
+  if (base) *base = b.base_logits;
 }
 
 }  // namespace dsx

@@ -90,32 +90,100 @@ struct DSparkWeights {
 // "<dir>: no DSpark stages (...)" when it has none.
 DSparkWeights load_dspark_weights(const ModelConfig& c, std::shared_ptr<ModelFiles> files);
 
+// ---- the drafter interface (backend-agnostic) -----------------------------------------
+
+// A drafter's per-sequence state (§5.1): one context ring per stage, wherever the
+// drafter keeps it (host memory for DSparkDrafter, device memory for the CUDA drafter).
+// Made by Drafter::make_state and used only with the drafter that made it (which must
+// outlive it).
+class DrafterState {
+ public:
+  virtual ~DrafterState() = default;
+  // One past the last observed position (the next position observe expects).
+  virtual int64_t end() const = 0;
+  // Forgets the rows of positions >= p (see DSparkState::truncate).
+  virtual void truncate(int64_t p) = 0;
+  void reset() { truncate(0); }
+  // Ring rows an anchor at n sees: those held of positions max(0, n - W) .. n - 1.
+  virtual int64_t context_rows(int64_t n) const = 0;
+  virtual int capacity() const = 0;
+  virtual int64_t bytes() const = 0;  // (host or device) memory of the state
+};
+
+// The parallel part of one draft (block(), §5.2 - §5.5), where its drafter keeps it.
+// A drafter may keep only its latest block (the CUDA drafter: its device workspace);
+// walking an older one is an error.
+class DraftBlock {
+ public:
+  virtual ~DraftBlock() = default;
+  int64_t n = 0;       // anchor position; row j sits at n + j
+  int32_t anchor = 0;
+};
+
+struct DSparkDraft;
+
+// What the speculative decoder (runtime/dspark_decoding.h) asks of a drafter: the ring
+// writes of committed positions, the block at an anchor and the two Markov walks. The
+// CPU reference DSparkDrafter (below) and the CUDA drafter (backend/cuda/dspark_drafter.h)
+// implement it with the same semantics (§5.1 - §5.7, corrections C1 - C6 above).
+// Thread safety: one thread at a time (as an engine).
+class Drafter {
+ public:
+  virtual ~Drafter() = default;
+  virtual const ModelConfig& config() const = 0;  // the target's, with the stages' keys resolved
+  virtual int n_stages() const = 0;
+  virtual std::string backend_name() const = 0;   // "cpu" | "cuda"
+  virtual int64_t weight_bytes() const = 0;       // the stages' weights where the drafter computes
+  int block_size() const { return config().dspark_block_size; }
+  int64_t tap_width() const { return config().tap_width(); }
+  int64_t vocab_size() const { return config().vocab_size; }
+
+  virtual std::unique_ptr<DrafterState> make_state(int rollback_depth = 16) const = 0;
+  // §5.1: the ring rows of committed positions p0 .. p0 + T - 1 from their taps [T,
+  // tap_width] (host memory); positions >= p0 observed before are forgotten first; p0
+  // beyond st.end() leaves holes (see DSparkDrafter::observe).
+  virtual void observe(DrafterState& st, const float* taps, int64_t T, int64_t p0) const = 0;
+  // §5.2 - §5.5: the block of the anchor token at position n (2 <= n <= st.end(), C3).
+  virtual std::unique_ptr<DraftBlock> draft_block(const DrafterState& st, int32_t anchor, int64_t n) const = 0;
+  // §5.6 - §5.7 greedy (prev_j = d_j) / with given previous tokens prev [B]. tokens, prev
+  // and confidence_logits always; markov_logits and markov_embed when `full` (else they
+  // may be left empty).
+  virtual DSparkDraft greedy(const DraftBlock& b, bool full = true) const = 0;
+  virtual DSparkDraft forced(const DraftBlock& b, const int32_t* prev, bool full = true) const = 0;
+  // Row j of the forced walk alone: its Markov logits [V] (base_j + the Markov bias of
+  // prev) and its confidence logit.
+  virtual void forced_row(const DraftBlock& b, int j, int32_t prev, float* logits, float* confidence_logit) const = 0;
+  // The block's z [B, D] (pre-norm collapsed state, the confidence input) and base logits
+  // [B, V] (either may be null): checks against goldens.
+  virtual void block_values(const DraftBlock& b, std::vector<float>* z, std::vector<float>* base_logits) const = 0;
+};
+
 // ---- the drafter's state (§5.1) ---------------------------------------------------------
 
 // One context ring per stage: the K = V row of every observed committed position p in
 // slot p mod capacity(), capacity = W + rollback_depth, so that truncating back by up to
 // rollback_depth positions keeps every row a later anchor's window needs.
-class DSparkState {
+class DSparkState final : public DrafterState {
  public:
   DSparkState() = default;
   DSparkState(int n_stages, int window, int head_dim, int rollback_depth);
 
   int n_stages() const { return S_; }
   int window() const { return W_; }
-  int capacity() const { return cap_; }
+  int capacity() const override { return cap_; }
   int head_dim() const { return hd_; }
   // One past the last observed position (the next position observe expects).
-  int64_t end() const { return end_; }
+  int64_t end() const override { return end_; }
   // The ring row of stage s for position p, null when not held.
   const float* row(int s, int64_t p) const;
   // Forgets the rows of positions >= p (a rollback of the committed sequence to length p);
   // rows of positions < p that newer rows overwrote are gone (holes) once the rollback
   // goes back more than rollback_depth positions.
-  void truncate(int64_t p);
+  void truncate(int64_t p) override;
   void reset() { truncate(0); }
   // Ring rows an anchor at n sees: those held of positions max(0, n - W) .. n - 1.
-  int64_t context_rows(int64_t n) const;
-  int64_t bytes() const { return static_cast<int64_t>(rows_.size() * 4 + held_.size() * 8); }
+  int64_t context_rows(int64_t n) const override;
+  int64_t bytes() const override { return static_cast<int64_t>(rows_.size() * 4 + held_.size() * 8); }
 
  private:
   friend class DSparkDrafter;
@@ -129,9 +197,7 @@ class DSparkState {
 // ---- one draft (§5.2 - §5.7) ------------------------------------------------------------
 
 // The parallel part of a draft: the block through the stages and the head.
-struct DSparkBlock {
-  int64_t n = 0;                    // anchor position; row j sits at n + j
-  int32_t anchor = 0;
+struct DSparkBlock final : DraftBlock {
   std::vector<float> z;             // [B, D] pre-norm collapsed state (confidence input)
   std::vector<float> base_logits;   // [B, V]; row j predicts position n + j + 1
 };
@@ -156,20 +222,20 @@ struct DSparkDebug {
 
 inline float dspark_confidence(float logit) { return 1.0f / (1.0f + std::exp(-logit)); }
 
-class DSparkDrafter {
+class DSparkDrafter final : public Drafter {
  public:
   DSparkDrafter(ModelConfig cfg, DSparkWeights w);
   // The target config and stages of a model directory (throws "no DSpark stages" when
   // it has none: see dspark_available).
   static std::unique_ptr<DSparkDrafter> load(const std::string& model_dir);
 
-  const ModelConfig& config() const { return cfg_; }
+  const ModelConfig& config() const override { return cfg_; }
   const DSparkWeights& weights() const { return w_; }
-  int n_stages() const { return w_.n_stages; }
-  int block_size() const { return cfg_.dspark_block_size; }
-  int64_t tap_width() const { return cfg_.tap_width(); }
-  int64_t vocab_size() const { return cfg_.vocab_size; }
+  int n_stages() const override { return w_.n_stages; }
+  std::string backend_name() const override { return "cpu"; }
+  int64_t weight_bytes() const override;
   DSparkState new_state(int rollback_depth = 16) const;
+  std::unique_ptr<DrafterState> make_state(int rollback_depth = 16) const override;
 
   // §5.1 step 1: u [T, D] of T tap rows g [T, tap_width].
   void fuse(const float* taps, int64_t T, float* u) const;
@@ -179,13 +245,17 @@ class DSparkDrafter {
   // st.end() .. p0 - 1 as holes (a prefix restored without taps, §5.1: the window refills;
   // context_rows() tells). Only the last capacity() rows are computed.
   void observe(DSparkState& st, const float* taps, int64_t T, int64_t p0) const;
+  void observe(DrafterState& st, const float* taps, int64_t T, int64_t p0) const override;
 
   // §5.2 - §5.5: the block of the anchor token at position n (2 <= n <= st.end(), C3).
   DSparkBlock block(const DSparkState& st, int32_t anchor, int64_t n, DSparkDebug* dbg = nullptr) const;
-  // §5.6 - §5.7, greedy drafting (temperature 0): prev_j = d_j.
-  DSparkDraft greedy(const DSparkBlock& b) const;
+  std::unique_ptr<DraftBlock> draft_block(const DrafterState& st, int32_t anchor, int64_t n) const override;
+  // §5.6 - §5.7, greedy drafting (temperature 0): prev_j = d_j (b: a DSparkBlock).
+  DSparkDraft greedy(const DraftBlock& b, bool full = true) const override;
   // §5.6 - §5.7 with given previous tokens prev [B] (prev[0] is normally the anchor).
-  DSparkDraft forced(const DSparkBlock& b, const int32_t* prev) const;
+  DSparkDraft forced(const DraftBlock& b, const int32_t* prev, bool full = true) const override;
+  void forced_row(const DraftBlock& b, int j, int32_t prev, float* logits, float* confidence_logit) const override;
+  void block_values(const DraftBlock& b, std::vector<float>* z, std::vector<float>* base_logits) const override;
   // block + greedy.
   DSparkDraft draft(const DSparkState& st, int32_t anchor, int64_t n) const { return greedy(block(st, anchor, n)); }
 
@@ -196,6 +266,8 @@ class DSparkDrafter {
                  const std::vector<float>& sin, std::vector<float>& out, DSparkDebug* dbg) const;
   void moe(int s, const std::vector<float>& f, std::vector<float>& out, DSparkDebug* dbg) const;
   void markov(const DSparkBlock& b, const int32_t* prev, DSparkDraft& d) const;
+  // Row j's Markov logits [V] (base_j + bias of p) and confidence logit; e gets the embed row [R].
+  void markov_row(const DSparkBlock& b, int64_t j, int32_t p, float* logits, float* e, float* conf) const;
 
   ModelConfig cfg_;        // the target's
   ModelConfig stage_cfg_;  // the stages' view: MoE sizes dspark_n_routed_experts / _experts_per_tok

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <map>
 
 #include "util/error.h"
 
@@ -157,7 +158,7 @@ int choose_k(const DSparkSchedule& s, const float* conf, int n, int max_k, std::
 }
 
 // ---- the context ---------------------------------------------------------------------------------
-DSparkContext::DSparkContext(const DSparkDrafter& d, int rollback_depth) : d_(&d), st_(d.new_state(rollback_depth)) {}
+DSparkContext::DSparkContext(const Drafter& d, int rollback_depth) : d_(&d), st_(d.make_state(rollback_depth)) {}
 
 int64_t DSparkContext::keep_common_prefix(const int32_t* ids, int64_t n) {
   int64_t c = 0;
@@ -171,19 +172,19 @@ void DSparkContext::truncate(int64_t p) {
   p = std::max<int64_t>(p, 0);
   if (p >= end()) return;
   tokens_.resize(static_cast<size_t>(p));
-  st_.truncate(p);
+  st_->truncate(p);
 }
 
 void DSparkContext::observe(const int32_t* ids, const float* taps, int64_t T) {
   if (T <= 0) return;
-  d_->observe(st_, taps, T, end());
+  d_->observe(*st_, taps, T, end());
   tokens_.insert(tokens_.end(), ids, ids + T);
 }
 
 void DSparkContext::skip(const int32_t* ids, int64_t T) {
   if (T <= 0) return;
   tokens_.insert(tokens_.end(), ids, ids + T);
-  d_->observe(st_, nullptr, 0, end());  // (positions before end() not observed: holes)
+  d_->observe(*st_, nullptr, 0, end());  // (positions before end() not observed: holes)
 }
 
 // ---- stats --------------------------------------------------------------------------------------
@@ -209,7 +210,7 @@ using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 }  // namespace
 
-DSparkDecoding::DSparkDecoding(const DSparkDrafter& drafter, DSparkOptions o, DSparkContext* ctx)
+DSparkDecoding::DSparkDecoding(const Drafter& drafter, DSparkOptions o, DSparkContext* ctx)
     : d_(drafter), o_(std::move(o)) {
   set_context(ctx);
   reset_stats();
@@ -227,6 +228,8 @@ void DSparkDecoding::set_context(DSparkContext* ctx) {
 void DSparkDecoding::reset_stats() {
   stats_ = DSparkStats{};
   stats_.accepted_hist.assign(static_cast<size_t>(d_.block_size() + 1), 0);
+  stats_.verify_steps_by_rows.assign(static_cast<size_t>(d_.block_size() + 2), 0);
+  stats_.verify_seconds_by_rows.assign(static_cast<size_t>(d_.block_size() + 2), 0.0);
 }
 
 void DSparkDecoding::start(const SamplerOptions& sampling) {
@@ -296,7 +299,7 @@ void DSparkDecoding::next(Session& s, int32_t anchor, int64_t limit, std::vector
   bool point = true;  // q a point mass on each draft (deterministic drafts)
   if (kmax >= 1 && n >= 2) {
     const Clock::time_point t0 = Clock::now();
-    const DSparkBlock blk = d_.block(ctx_->state(), anchor, n);
+    const std::unique_ptr<DraftBlock> blk = d_.draft_block(ctx_->state(), anchor, n);
     DSparkDraft dr;
     int rows = B;
     if (sampling && o_.sampled_drafts && !o_.draft_hook) {
@@ -307,18 +310,20 @@ void DSparkDecoding::next(Session& s, int32_t anchor, int64_t limit, std::vector
       dr.tokens.assign(static_cast<size_t>(B), anchor);
       dr.confidence_logits.assign(static_cast<size_t>(B), 0.0f);
       q_.resize(static_cast<size_t>(kmax * V));
+      row_.resize(static_cast<size_t>(V));
       std::uniform_real_distribution<double> U(0.0, 1.0);
       for (int j = 0; j < kmax; ++j) {
-        const DSparkDraft f = d_.forced(blk, prev.data());
+        float conf = 0;
+        d_.forced_row(*blk, j, prev[static_cast<size_t>(j)], row_.data(), &conf);
         double* qj = q_.data() + j * V;
-        sampling_distribution(f.markov_logits.data() + j * V, V, sampling_, qj);
+        sampling_distribution(row_.data(), V, sampling_, qj);
         const int32_t t = sample_from(qj, V, U(rng_));
         dr.tokens[static_cast<size_t>(j)] = t;
-        dr.confidence_logits[static_cast<size_t>(j)] = f.confidence_logits[static_cast<size_t>(j)];
+        dr.confidence_logits[static_cast<size_t>(j)] = conf;
         if (j + 1 < B) prev[static_cast<size_t>(j + 1)] = t;
       }
     } else {
-      dr = d_.greedy(blk);
+      dr = d_.greedy(*blk, /*full=*/false);
       if (o_.draft_hook) o_.draft_hook(n, dr);
       DSX_CHECK(static_cast<int>(dr.tokens.size()) >= kmax && static_cast<int>(dr.confidence_logits.size()) >= kmax,
                 "DSpark: the draft hook left fewer than ", kmax, " drafts");
@@ -368,13 +373,40 @@ void DSparkDecoding::next(Session& s, int32_t anchor, int64_t limit, std::vector
   ctx_->observe(rows_.data(), taps_.data(), j + 1);
   for (int i = 1; i <= j; ++i) out.push_back(rows_[static_cast<size_t>(i)]);
   out.push_back(y);
-  stats_.verify_seconds += since(t1);
+  const double vs = since(t1);
+  stats_.verify_seconds += vs;
+  if (static_cast<size_t>(R) < stats_.verify_steps_by_rows.size()) {
+    ++stats_.verify_steps_by_rows[static_cast<size_t>(R)];
+    stats_.verify_seconds_by_rows[static_cast<size_t>(R)] += vs;
+  }
   ++stats_.cycles;
   stats_.verified += k;
   stats_.accepted += j;
   stats_.verify_rows += R;
   stats_.tokens += j + 1;
   if (static_cast<size_t>(j) < stats_.accepted_hist.size()) ++stats_.accepted_hist[static_cast<size_t>(j)];
+}
+
+// ---- drafter backends -----------------------------------------------------------------------
+namespace {
+std::map<std::string, DrafterFactory>& drafter_registry() {
+  static std::map<std::string, DrafterFactory> r;
+  return r;
+}
+}  // namespace
+
+void register_drafter_backend(const std::string& backend, DrafterFactory f) { drafter_registry()[backend] = std::move(f); }
+
+bool drafter_backend_available(const std::string& backend) {
+  return backend == "cpu" || drafter_registry().count(backend) > 0;
+}
+
+std::unique_ptr<Drafter> load_drafter(const std::string& dir, const Engine& eng, const std::string& backend) {
+  const std::string b = backend.empty() ? eng.backend_name() : backend;
+  if (b == "cpu") return DSparkDrafter::load(dir);
+  auto it = drafter_registry().find(b);
+  if (it == drafter_registry().end()) fail("DSpark: no drafter for backend '", b, "' in this build");
+  return it->second(dir, eng);
 }
 
 }  // namespace dsx

@@ -117,7 +117,8 @@ int choose_k(const DSparkSchedule& s, const float* conf_logits, int n, int max_k
 
 // ---- the drafter's state of one sequence ----------------------------------------------
 
-// The drafter's rings (model/dspark.h DSparkState) and the token ids of the positions
+// The drafter's rings (model/dspark.h DrafterState: host or device rings, as the
+// drafter keeps them) and the token ids of the positions
 // 0 .. end() - 1 they stand for (observed rows, or holes: positions committed without
 // taps). Keep one next to each Session a server reuses across requests; it is valid as
 // long as its tokens() are a prefix of the session's (prefill and next check).
@@ -125,8 +126,9 @@ class DSparkContext {
  public:
   // rollback_depth: how far truncate() can go back keeping the window whole (the ring
   // capacity is W + rollback_depth).
-  explicit DSparkContext(const DSparkDrafter& d, int rollback_depth = 16);
-  const DSparkState& state() const { return st_; }
+  explicit DSparkContext(const Drafter& d, int rollback_depth = 16);
+  const DrafterState& state() const { return *st_; }
+  const Drafter& drafter() const { return *d_; }
   const std::vector<int32_t>& tokens() const { return tokens_; }
   int64_t end() const { return static_cast<int64_t>(tokens_.size()); }
   // Keeps positions below the common prefix of tokens() and ids[0..n), forgets the rest;
@@ -139,12 +141,12 @@ class DSparkContext {
   void observe(const int32_t* ids, const float* taps, int64_t T);
   void skip(const int32_t* ids, int64_t T);
   // Ring rows an anchor at end() sees (W of them when there is no hole).
-  int64_t context_rows() const { return st_.context_rows(end()); }
-  int64_t bytes() const { return st_.bytes() + static_cast<int64_t>(tokens_.capacity()) * 4; }
+  int64_t context_rows() const { return st_->context_rows(end()); }
+  int64_t bytes() const { return st_->bytes() + static_cast<int64_t>(tokens_.capacity()) * 4; }
 
  private:
-  const DSparkDrafter* d_;
-  DSparkState st_;
+  const Drafter* d_;
+  std::unique_ptr<DrafterState> st_;
   std::vector<int32_t> tokens_;
 };
 
@@ -173,6 +175,9 @@ struct DSparkStats {
   int64_t tokens = 0;          // tokens next() returned (sum of j + 1)
   std::vector<int64_t> accepted_hist;  // cycles by j (0 .. block size)
   double draft_seconds = 0, verify_seconds = 0;
+  // verify steps and their wall time by rows (index: 1 + k)
+  std::vector<int64_t> verify_steps_by_rows;
+  std::vector<double> verify_seconds_by_rows;
   double accepted_per_cycle() const { return cycles ? static_cast<double>(accepted) / cycles : 0.0; }
   double tokens_per_cycle() const { return cycles ? static_cast<double>(tokens) / cycles : 0.0; }
   double acceptance() const { return verified ? static_cast<double>(accepted) / verified : 0.0; }
@@ -183,7 +188,7 @@ class DSparkDecoding final : public DecodingStrategy {
  public:
   // The drafter (and the context, when given) must outlive the strategy. Without a
   // context the strategy keeps its own (one sequence's).
-  explicit DSparkDecoding(const DSparkDrafter& drafter, DSparkOptions o = {}, DSparkContext* ctx = nullptr);
+  explicit DSparkDecoding(const Drafter& drafter, DSparkOptions o = {}, DSparkContext* ctx = nullptr);
   void start(const SamplerOptions& sampling) override;
   SyncResult prefill(Session& s, const int32_t* ids, int64_t n) override;
   void next(Session& s, int32_t anchor, int64_t limit, std::vector<int32_t>& out) override;
@@ -199,7 +204,7 @@ class DSparkDecoding final : public DecodingStrategy {
 
  private:
   void align(Session& s);  // the context to s.tokens()
-  const DSparkDrafter& d_;
+  const Drafter& d_;
   DSparkOptions o_;
   std::unique_ptr<DSparkContext> own_;
   DSparkContext* ctx_ = nullptr;
@@ -208,8 +213,22 @@ class DSparkDecoding final : public DecodingStrategy {
   DSparkStats stats_;
   // working buffers
   std::vector<int32_t> rows_, picks_;
-  std::vector<float> logits_, taps_;
+  std::vector<float> logits_, taps_, row_;
   std::vector<double> p_, q_;
 };
+
+// ---- which drafter computes for an engine -------------------------------------------------
+
+// A drafter of a model directory for an engine of one backend (the backend's weights in
+// the engine's precision: EngineOptions::precision). Registered per backend name, as
+// the engines (runtime/engine.h): "cuda" by runtime/cuda_drafter.cpp in CUDA builds.
+using DrafterFactory = std::function<std::unique_ptr<Drafter>(const std::string& model_dir, const Engine& eng)>;
+void register_drafter_backend(const std::string& backend, DrafterFactory f);
+// Whether a drafter is registered for the backend ("cpu" always is).
+bool drafter_backend_available(const std::string& backend);
+// The drafter of `backend` (default: the engine's backend) for eng; "cpu" is the CPU
+// reference (DSparkDrafter). Throws dsx::Error for a model without stages or a backend
+// without a drafter.
+std::unique_ptr<Drafter> load_drafter(const std::string& model_dir, const Engine& eng, const std::string& backend = "");
 
 }  // namespace dsx

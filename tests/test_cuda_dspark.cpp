@@ -1,0 +1,382 @@
+// The CUDA DSpark drafter (backend/cuda/dspark_drafter.h):
+//   - GoldenAlone: from every DSpark golden case's own taps, at every anchor, the ring
+//     rows, z, base logits, greedy Markov logits / tokens / confidence and the forced
+//     variant against the golden, on CUDA fp32 (README §8 tolerances, as the CPU test);
+//   - GoldenEndToEnd: the CUDA fp32 target's taps, then the drafter, up to the first tap
+//     row that differs from the golden's (README §6);
+//   - EqualsCpuDrafterOnTrainedModel: the trained model (assets/dsx-small-v41), fp32,
+//     taps observed incrementally as a decode observes them (pending rows drafted in the
+//     block's launches, eager chunks, holes after a rollback): the CUDA drafter == the CPU
+//     drafter to the README's tolerances; graph replays == eager runs bit for bit;
+//   - GreedyIdentity{Fp32,Bf16}: DSpark on CUDA with the CUDA drafter == plain greedy on
+//     CUDA, id for id, on 10 generations of 512 tokens of the trained model.
+// Skipped without a GPU, and (golden tests) without the golden cases.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cli/golden_check.h"
+#include "model/dspark.h"
+#include "runtime/dspark_decoding.h"
+#include "runtime/engine.h"
+#include "runtime/generate.h"
+#include "cuda_test_util.h"
+#include "test_util.h"
+#include "text/tokenizer.h"
+#include "util/safetensors.h"
+
+#ifdef DSX_HAVE_CUDA
+#include "backend/cuda/dspark_drafter.h"
+#include "kernels/cuda/cuda_util.h"
+#include "runtime/cuda_drafter.h"
+#endif
+
+using namespace dsx;
+
+#ifdef DSX_HAVE_CUDA
+
+namespace {
+
+constexpr double kRowTol = 1e-5;  // README §8
+
+double conf_err(float got, float want) {
+  return std::fabs(static_cast<double>(got) - want) / std::max(1.0, std::fabs(static_cast<double>(want)));
+}
+double max_abs(const float* a, const float* b, int64_t n) {
+  double m = 0;
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, std::fabs(static_cast<double>(a[i]) - b[i]));
+  return m;
+}
+
+std::vector<std::string> dspark_cases(const std::string& gdir) {
+  std::vector<std::string> out;
+  for (const auto& e : std::filesystem::directory_iterator(gdir))
+    if (e.is_directory() && std::filesystem::exists(e.path() / "dspark_golden.safetensors")) out.push_back(e.path().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::string trained_dir() { return dsx_test::source_dir() + "/assets/dsx-small-v41"; }
+
+// What one anchor's draft gave.
+struct Out {
+  std::vector<float> z, base;
+  DSparkDraft greedy, forced;
+};
+Out draft_at(const Drafter& d, const DrafterState& st, int32_t anchor, int64_t n, const int32_t* forced_prev) {
+  Out o;
+  const auto b = d.draft_block(st, anchor, n);
+  o.greedy = d.greedy(*b);
+  d.block_values(*b, &o.z, &o.base);
+  o.forced = d.forced(*b, forced_prev);
+  return o;
+}
+
+// got against want (the reference: golden tensors or the CPU drafter), per row.
+struct Ref {
+  const float *z = nullptr, *base, *markov, *conf, *fmarkov, *fconf;
+  const int32_t* tokens;
+  const int32_t* prev;  // greedy prev tokens of the reference (row j's prev)
+};
+void compare(const Out& g, const Ref& r, int64_t B, int64_t V, int64_t D, const std::string& at, int* tokens_compared) {
+  for (int64_t j = 0; j < B; ++j) {
+    if (r.z) EXPECT_LE(row_rel_l2(g.z.data() + j * D, r.z + j * D, D), kRowTol) << at << " z row " << j;
+    EXPECT_LE(row_rel_l2(g.base.data() + j * V, r.base + j * V, V), kRowTol) << at << " base_logits row " << j;
+    EXPECT_LE(row_rel_l2(g.forced.markov_logits.data() + j * V, r.fmarkov + j * V, V), kRowTol)
+        << at << " forced_markov_logits row " << j;
+    EXPECT_LE(conf_err(g.forced.confidence_logits[static_cast<size_t>(j)], r.fconf[j]), kRowTol)
+        << at << " forced_confidence_logits row " << j;
+  }
+  for (int64_t j = 0; j < B; ++j) {  // greedy rows while every earlier draft agrees
+    if (g.greedy.prev[static_cast<size_t>(j)] != r.prev[j]) break;
+    const float* want = r.markov + j * V;
+    EXPECT_LE(row_rel_l2(g.greedy.markov_logits.data() + j * V, want, V), kRowTol) << at << " markov_logits row " << j;
+    EXPECT_LE(conf_err(g.greedy.confidence_logits[static_cast<size_t>(j)], r.conf[j]), kRowTol)
+        << at << " confidence_logits row " << j;
+    const double err = max_abs(g.greedy.markov_logits.data() + j * V, want, V);
+    float top1 = -INFINITY, top2 = -INFINITY;
+    for (int64_t v = 0; v < V; ++v) {
+      if (want[v] > top1) top2 = top1, top1 = want[v];
+      else if (want[v] > top2) top2 = want[v];
+    }
+    if (top1 - top2 > 10 * err) {
+      EXPECT_EQ(g.greedy.tokens[static_cast<size_t>(j)], r.tokens[j]) << at << " draft row " << j;
+      ++*tokens_compared;
+    }
+  }
+}
+
+struct GoldenCase {
+  std::unique_ptr<SafetensorsFile> g;
+  int64_t A = 0, T = 0;
+  std::vector<int32_t> ids, apos, atok, forced;
+  explicit GoldenCase(const std::string& dir) {
+    g = std::make_unique<SafetensorsFile>(dir + "/dspark_golden.safetensors");
+    auto v = [&](const char* n) {
+      const TensorView& t = g->get(n);
+      return std::vector<int32_t>(t.as<int32_t>(), t.as<int32_t>() + t.numel());
+    };
+    ids = v("input_ids"), apos = v("anchor_positions"), atok = v("anchor_tokens"), forced = v("dspark.forced_prev_tokens");
+    T = static_cast<int64_t>(ids.size()), A = static_cast<int64_t>(apos.size());
+  }
+  const float* f32(const char* n) const { return g->get(n).as<float>(); }
+  const int32_t* i32(const char* n) const { return g->get(n).as<int32_t>(); }
+  bool has(const char* n) const { return g->find(n) != nullptr; }
+};
+
+// Golden anchors a through the CUDA drafter d on state st (observed up to the anchor).
+void check_golden_anchor(const GoldenCase& c, const Drafter& d, const DrafterState& st, int64_t a, const std::string& at,
+                         int* tokens_compared) {
+  const ModelConfig& cfg = d.config();
+  const int64_t B = cfg.dspark_block_size, V = cfg.vocab_size, D = cfg.hidden;
+  const Out o = draft_at(d, st, c.atok[a], c.apos[a], c.forced.data() + a * B);
+  std::vector<int32_t> prev(static_cast<size_t>(B));
+  for (int64_t j = 0; j < B; ++j) prev[static_cast<size_t>(j)] = j == 0 ? c.atok[a] : c.i32("dspark.draft_tokens")[a * B + j - 1];
+  Ref r;
+  r.z = c.has("dspark.z") ? c.f32("dspark.z") + a * B * D : nullptr;
+  r.base = c.f32("dspark.base_logits") + a * B * V;
+  r.markov = c.f32("dspark.markov_logits") + a * B * V;
+  r.conf = c.f32("dspark.confidence_logits") + a * B;
+  r.fmarkov = c.f32("dspark.forced_markov_logits") + a * B * V;
+  r.fconf = c.f32("dspark.forced_confidence_logits") + a * B;
+  r.tokens = c.i32("dspark.draft_tokens") + a * B;
+  r.prev = prev.data();
+  compare(o, r, B, V, D, at, tokens_compared);
+}
+
+}  // namespace
+
+TEST(CudaDSpark, GoldenAlone) {
+  SKIP_WITHOUT_GPU();
+  DSX_REQUIRE_GOLDEN(gdir);
+  const auto cases = dspark_cases(gdir);
+  if (cases.empty()) GTEST_SKIP() << "no DSpark golden case";
+  for (const std::string& dir : cases) {
+    const GoldenCase c(dir);
+    const auto d = load_cuda_drafter(dir, "fp32");
+    auto* cd = dynamic_cast<cuda::CudaDrafter*>(d.get());
+    ASSERT_NE(cd, nullptr);
+    const ModelConfig& cfg = d->config();
+    const int64_t TW = cfg.tap_width(), hd = cfg.head_dim, W = cfg.window, S = d->n_stages();
+    ASSERT_EQ(c.g->get("taps").numel(), c.T * TW);
+    const float* taps = c.f32("taps");
+    int compared = 0;
+    for (int64_t a = 0; a < c.A; ++a) {
+      const int64_t n = c.apos[a];
+      const std::string at = dir + " anchor " + std::to_string(n);
+      auto st = d->make_state();
+      d->observe(*st, taps, n, 0);
+      ASSERT_EQ(st->context_rows(n), std::min(n, W)) << at;
+      if (c.has("dspark.window_positions") && c.has("dspark.ring_kv")) {
+        const int64_t slots = c.g->get("dspark.window_positions").dim(1);
+        for (int64_t k = 0; k < slots; ++k) {
+          const int64_t p = c.i32("dspark.window_positions")[a * slots + k];
+          if (p < 0) continue;
+          for (int s = 0; s < S; ++s) {
+            const std::vector<float> row = cd->ring_row(*st, s, p);
+            ASSERT_EQ(static_cast<int64_t>(row.size()), hd) << at << " stage " << s << " position " << p;
+            EXPECT_LE(row_rel_l2(row.data(), c.f32("dspark.ring_kv") + ((a * S + s) * slots + k) * hd, hd), kRowTol)
+                << at << " ring_kv stage " << s << " slot " << k;
+          }
+        }
+      }
+      check_golden_anchor(c, *d, *st, a, at + " (cuda fp32, alone)", &compared);
+    }
+    std::printf("[cuda dspark alone] %s: %d draft tokens compared\n", dir.c_str(), compared);
+    EXPECT_GT(compared, 0);
+  }
+}
+
+TEST(CudaDSpark, GoldenEndToEnd) {
+  SKIP_WITHOUT_GPU();
+  DSX_REQUIRE_GOLDEN(gdir);
+  const auto cases = dspark_cases(gdir);
+  if (cases.empty()) GTEST_SKIP() << "no DSpark golden case";
+  for (const std::string& dir : cases) {
+    const GoldenCase c(dir);
+    EngineOptions o;
+    o.backend = "cuda";
+    o.precision = "fp32";
+    o.max_context = c.T + 16;
+    auto eng = load_engine(dir, o);
+    const auto d = load_drafter(dir, *eng);
+    ASSERT_EQ(d->backend_name(), "cuda");
+    const int64_t TW = d->tap_width();
+    std::vector<float> taps(static_cast<size_t>(c.T * TW));
+    auto s = eng->new_session();
+    Step stp;
+    stp.feeds.push_back(Feed{s.get(), c.ids.data(), c.T, nullptr, taps.data(), nullptr, nullptr});
+    eng->step(stp);
+    int64_t lead = 0;
+    while (lead < c.T && row_rel_l2(taps.data() + lead * TW, c.f32("taps") + lead * TW, TW) <= kRowTol) ++lead;
+    std::printf("[cuda dspark end to end] %s: CUDA fp32 taps %lld/%lld leading rows within 1e-5\n", dir.c_str(),
+                static_cast<long long>(lead), static_cast<long long>(c.T));
+    EXPECT_GT(lead, 0);
+    auto st = d->make_state();
+    int compared = 0, anchors = 0;
+    for (int64_t a = 0; a < c.A; ++a) {
+      const int64_t n = c.apos[a];
+      if (n > lead) continue;
+      ++anchors;
+      if (n < st->end()) st = d->make_state();
+      d->observe(*st, taps.data() + st->end() * TW, n - st->end(), st->end());
+      check_golden_anchor(c, *d, *st, a, dir + " anchor " + std::to_string(n) + " (cuda fp32, end to end)", &compared);
+    }
+    std::printf("[cuda dspark end to end] %d anchors, %d draft tokens compared\n", anchors, compared);
+    EXPECT_GT(anchors, 0);
+  }
+}
+
+TEST(CudaDSpark, EqualsCpuDrafterOnTrainedModel) {
+  SKIP_WITHOUT_GPU();
+  const std::string dir = trained_dir();
+  if (!std::filesystem::exists(dir + "/model.safetensors")) GTEST_SKIP() << "no trained model";
+  const auto cpu = DSparkDrafter::load(dir);
+  const auto gpu = load_cuda_drafter(dir, "fp32");
+  auto* cd = dynamic_cast<cuda::CudaDrafter*>(gpu.get());
+  const ModelConfig& cfg = cpu->config();
+  const int64_t B = cfg.dspark_block_size, V = cfg.vocab_size, D = cfg.hidden, TW = cfg.tap_width();
+  // the taps of a code text on the CPU target
+  const text::Tokenizer tok = text::Tokenizer::from_model_dir(dir);
+  std::string src;
+  for (int i = 0; i < 12; ++i)
+    src += "def f" + std::to_string(i) + "(x, y):\n    \"\"\"Return the sum.\"\"\"\n    z = x + y * " + std::to_string(i) +
+           "\n    return z\n\n";
+  std::vector<int32_t> ids = tok.encode(src, false);
+  ASSERT_GE(ids.size(), 300u);
+  ids.resize(300);
+  const int64_t T = static_cast<int64_t>(ids.size());
+  EngineOptions o;
+  o.max_context = T + 16;
+  auto eng = load_engine(dir, o);
+  std::vector<float> taps(static_cast<size_t>(T * TW));
+  {
+    auto s = eng->new_session();
+    Step st;
+    st.feeds.push_back(Feed{s.get(), ids.data(), T, nullptr, taps.data(), nullptr, nullptr});
+    eng->step(st);
+  }
+  auto cs = cpu->new_state();
+  auto gs = gpu->make_state();
+  int compared = 0;
+  // observe as decoding does: a prefill chunk, then 1 .. 6 rows per cycle; draft at each
+  // anchor on both; twice per shape (the second: a graph replay) for the first ones
+  int64_t p = 0;
+  int cycle = 0;
+  std::vector<int32_t> fprev(static_cast<size_t>(B));
+  while (p < T - 8) {
+    const int64_t m = p == 0 ? 40 : 1 + (cycle * 5 + cycle / 3) % 6;
+    cpu->observe(cs, taps.data() + p * TW, m, p);
+    gpu->observe(*gs, taps.data() + p * TW, m, p);
+    p += m;
+    ++cycle;
+    if (cycle % 17 == 0) {  // a rollback of 3 positions, then the same rows again
+      cs.truncate(p - 3);
+      gs->truncate(p - 3);
+      cpu->observe(cs, taps.data() + (p - 3) * TW, 3, p - 3);
+      gpu->observe(*gs, taps.data() + (p - 3) * TW, 3, p - 3);
+    }
+    ASSERT_EQ(gs->end(), cs.end());
+    ASSERT_EQ(gs->context_rows(p), cs.context_rows(p));
+    const int32_t anchor = ids[static_cast<size_t>(p)];
+    for (int64_t j = 0; j < B; ++j) fprev[static_cast<size_t>(j)] = ids[static_cast<size_t>(p + j)];
+    const DSparkBlock cb = cpu->block(cs, anchor, p);
+    const DSparkDraft cg = cpu->greedy(cb), cf = cpu->forced(cb, fprev.data());
+    const Out g = draft_at(*gpu, *gs, anchor, p, fprev.data());
+    Ref r;
+    r.z = cb.z.data(), r.base = cb.base_logits.data(), r.markov = cg.markov_logits.data();
+    r.conf = cg.confidence_logits.data(), r.fmarkov = cf.markov_logits.data(), r.fconf = cf.confidence_logits.data();
+    r.tokens = cg.tokens.data(), r.prev = cg.prev.data();
+    compare(g, r, B, V, D, "trained model anchor " + std::to_string(p), &compared);
+    // the same block again (pending rows already in the rings: the other graph)
+    const Out g2 = draft_at(*gpu, *gs, anchor, p, fprev.data());
+    EXPECT_EQ(g2.greedy.tokens, g.greedy.tokens) << "anchor " << p;
+    EXPECT_EQ(g2.base, g.base) << "anchor " << p << ": a replay differs from the first run";
+    EXPECT_EQ(g2.greedy.confidence_logits, g.greedy.confidence_logits) << "anchor " << p;
+    if (p % 7 == 0)
+      for (int s = 0; s < gpu->n_stages(); ++s) {
+        const std::vector<float> row = cd->ring_row(*gs, s, p - 1);
+        ASSERT_EQ(row.size(), static_cast<size_t>(cfg.head_dim));
+        EXPECT_LE(row_rel_l2(row.data(), cs.row(s, p - 1), cfg.head_dim), kRowTol) << "ring row " << p - 1;
+      }
+  }
+  // forced_row == forced's row
+  {
+    const auto b = gpu->draft_block(*gs, ids[static_cast<size_t>(p)], p);
+    const DSparkDraft f = gpu->forced(*b, fprev.data());
+    std::vector<float> row(static_cast<size_t>(V));
+    float conf = 0;
+    gpu->forced_row(*b, 2, fprev[2], row.data(), &conf);
+    EXPECT_EQ(conf, f.confidence_logits[2]);
+    EXPECT_EQ(0.0, max_abs(row.data(), f.markov_logits.data() + 2 * V, V));
+  }
+  std::printf("[cuda dspark == cpu] %d cycles, %d draft tokens compared\n", cycle, compared);
+  EXPECT_GT(compared, 100);
+}
+
+namespace {
+
+// 10 prompts of the trained model: code and agent-style text.
+std::vector<std::vector<int32_t>> identity_prompts(const std::string& dir) {
+  const text::Tokenizer tok = text::Tokenizer::from_model_dir(dir);
+  const char* texts[] = {
+      "def fib(n):\n", "def reverse(s):\n    \"\"\"Reverse a string.\"\"\"\n", "import os\n\ndef list_files(path):\n",
+      "class Stack:\n    def __init__(self):\n", "def is_prime(n):\n    if n < 2:\n",
+      "Read the file app.py and fix the failing test.", "def merge_sorted(a, b):\n    out = []\n",
+      "for i in range(10):\n", "def parse_args(argv):\n    import argparse\n",
+      "Run the unit tests and report the failures.\n"};
+  std::vector<std::vector<int32_t>> out;
+  for (const char* t : texts) out.push_back(tok.encode(t, true));
+  return out;
+}
+
+void greedy_identity(const std::string& precision) {
+  const std::string dir = trained_dir();
+  if (!std::filesystem::exists(dir + "/model.safetensors")) GTEST_SKIP() << "no trained model";
+  EngineOptions o;
+  o.backend = "cuda";
+  o.precision = precision;
+  o.max_context = 2048;
+  auto eng = load_engine(dir, o);
+  const auto d = load_drafter(dir, *eng);
+  ASSERT_EQ(d->backend_name(), "cuda");
+  GenerateOptions go;
+  go.max_tokens = 512;
+  go.stop_ids.clear();
+  auto s = eng->new_session();
+  PlainDecoding plain;
+  DSparkDecoding ds(*d);
+  int64_t tokens = 0;
+  for (const auto& p : identity_prompts(dir)) {
+    const GenerateResult a = generate(*s, p, go, plain);
+    const GenerateResult b = generate(*s, p, go, ds);
+    ASSERT_EQ(a.ids.size(), 512u);
+    size_t first = 0;
+    while (first < a.ids.size() && first < b.ids.size() && a.ids[first] == b.ids[first]) ++first;
+    EXPECT_EQ(a.ids, b.ids) << precision << ": DSpark differs from plain greedy from token " << first;
+    tokens += static_cast<int64_t>(b.ids.size());
+  }
+  std::printf("[cuda dspark identity %s] %lld tokens; %s\n", precision.c_str(), static_cast<long long>(tokens),
+              ds.stats().summary().c_str());
+  EXPECT_GT(ds.stats().accepted, 0);
+}
+
+}  // namespace
+
+TEST(CudaDSpark, GreedyIdentityFp32) {
+  SKIP_WITHOUT_GPU();
+  greedy_identity("fp32");
+}
+
+TEST(CudaDSpark, GreedyIdentityBf16) {
+  SKIP_WITHOUT_GPU();
+  greedy_identity("bf16");
+}
+
+#endif  // DSX_HAVE_CUDA
