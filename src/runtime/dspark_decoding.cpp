@@ -206,6 +206,7 @@ std::string DSparkStats::summary() const {
 
 // ---- the strategy ----------------------------------------------------------------------------------
 namespace {
+constexpr int64_t kOnePieceTapBytes = int64_t{256} << 20;  // (host taps of a one-step prefill)
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 }  // namespace
@@ -250,6 +251,24 @@ SyncResult DSparkDecoding::prefill(Session& s, const int32_t* ids, int64_t n) {
   int64_t cs = 0;
   const int64_t lim = std::min<int64_t>(static_cast<int64_t>(have.size()), n);
   while (cs < lim && have[static_cast<size_t>(cs)] == ids[cs]) ++cs;
+  const int64_t TW = d_.tap_width(), every = s.engine().options().checkpoint_every;
+  // The rest in ONE step with taps when it fits, as Session::sync feeds it (one piece up
+  // to the next checkpoint): a prefill's numbers may depend on how its rows are split into
+  // passes (the CUDA engine's prefill products), and plain decoding's prefill is sync's.
+  if (n - cs > 0 && (every <= 0 || n - cs < every) && (n - cs) * TW * 4 <= kOnePieceTapBytes) {
+    if (s.position() > cs) s.rollback(cs);
+    ctx_->truncate(cs);
+    ctx_->skip(ids + ctx_->end(), cs - ctx_->end());
+    taps_.resize(static_cast<size_t>((n - cs) * TW));
+    Step st;
+    st.feeds.push_back(Feed{&s, ids + cs, n - cs, nullptr, taps_.data(), nullptr, nullptr});
+    s.engine().step(st);
+    ctx_->observe(ids + cs, taps_.data(), n - cs);
+    SyncResult r;
+    r.reused = cs;
+    r.prefilled = n - cs;
+    return r;
+  }
   const int64_t a = std::max<int64_t>(cs, std::max<int64_t>(0, n - d_.config().window));
   SyncResult r;
   if (a > 0) {
@@ -262,7 +281,7 @@ SyncResult DSparkDecoding::prefill(Session& s, const int32_t* ids, int64_t n) {
   ctx_->truncate(a);
   ctx_->skip(ids + ctx_->end(), a - ctx_->end());
   // the last rows with taps, in chunks
-  const int64_t TW = d_.tap_width(), chunk = std::max<int64_t>(o_.prefill_chunk, 1);
+  const int64_t chunk = std::max<int64_t>(o_.prefill_chunk, 1);
   for (int64_t q = a; q < n;) {
     const int64_t m = std::min(chunk, n - q);
     taps_.resize(static_cast<size_t>(m * TW));
