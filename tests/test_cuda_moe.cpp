@@ -29,6 +29,7 @@
 #include "kernels/cuda/moe.h"
 #include "kernels/cuda/router.h"
 #include "util/numerics.h"
+#include "util/switches.h"
 
 using namespace dsx;
 using dsx::cuda::DeviceBuffer;
@@ -529,6 +530,215 @@ TEST(CudaMoe, RouterThenStagedDecode) {
   SKIP_WITHOUT_GPU();
   router_then_staged_decode(384, 512, 96, 38);
   router_then_staged_decode(16, 5120, 2304, 39);
+}
+
+// ---- several rows (the expert-major kernels of moe_rows.cu) ---------------------------
+namespace {
+
+// Routing of T rows with the given overlap: "random" (independent draws), "same" (every
+// row the experts of row 0, in another slot order), "distinct" (no expert twice;
+// E >= T topk), "pairs" (rows 2r and 2r + 1 share their first half of experts).
+void routing_pattern(const std::string& how, int T, int E, int topk, std::mt19937_64& rng, std::vector<int32_t>& ids,
+                     std::vector<float>& w) {
+  random_routing(T, E, topk, rng, ids, w);
+  if (how == "same") {
+    for (int t = 1; t < T; ++t) {
+      std::vector<int32_t> r(ids.begin(), ids.begin() + topk);
+      std::shuffle(r.begin(), r.end(), rng);
+      std::copy(r.begin(), r.end(), ids.begin() + static_cast<size_t>(t) * topk);
+    }
+  } else if (how == "distinct") {
+    std::vector<int32_t> all(static_cast<size_t>(E));
+    std::iota(all.begin(), all.end(), 0);
+    std::shuffle(all.begin(), all.end(), rng);
+    std::copy(all.begin(), all.begin() + static_cast<int64_t>(T) * topk, ids.begin());
+  } else if (how == "pairs") {
+    for (int t = 1; t < T; t += 2) {
+      int32_t* a = ids.data() + static_cast<size_t>(t - 1) * topk;
+      int32_t* b = ids.data() + static_cast<size_t>(t) * topk;
+      for (int k = 0; k < topk / 2; ++k) {
+        const int32_t e = a[k];
+        int32_t* hit = std::find(b, b + topk, e);
+        if (hit != b + topk) std::swap(*hit, b[k]);  // (keeps the row's experts distinct)
+        else b[k] = e;
+      }
+    }
+  }
+}
+
+// T rows in one call against T one-row calls: every output and hidden value bit for bit.
+void expect_rows_equal_one_row(const MoeSetup& m, int T, int topk, DType mode, const std::string& how,
+                               std::mt19937_64& rng) {
+  SCOPED_TRACE(testing::Message() << "D " << m.D << " I " << m.I << " E " << m.E << " k " << topk << " T " << T
+                                  << " " << how << " mode " << (mode == DType::BF16 ? "bf16" : "f32"));
+  const int S = topk + (m.layer.shared_w1.data ? 1 : 0);
+  std::vector<float> x = twin::random_acts(T, m.D, rng, mode == DType::BF16, -3, 1);
+  std::vector<int32_t> ids;
+  std::vector<float> w;
+  routing_pattern(how, T, m.E, topk, rng, ids, w);
+  const DecodeResult all = run_decode(m, x, T, topk, ids, w, mode);
+  std::vector<float> y1, h1;
+  for (int t = 0; t < T; ++t) {
+    const std::vector<float> xt(x.begin() + t * m.D, x.begin() + (t + 1) * m.D);
+    const std::vector<int32_t> it(ids.begin() + t * topk, ids.begin() + (t + 1) * topk);
+    const std::vector<float> wt(w.begin() + t * topk, w.begin() + (t + 1) * topk);
+    const DecodeResult one = run_decode(m, xt, 1, topk, it, wt, mode);
+    y1.insert(y1.end(), one.y.begin(), one.y.end());
+    h1.insert(h1.end(), one.hq.begin(), one.hq.begin() + static_cast<int64_t>(S) * m.I);
+  }
+  EXPECT_EQ(count_bit_diff(all.y, y1), 0u) << "output";
+  EXPECT_EQ(count_bit_diff(all.hq, h1), 0u) << "hidden";
+  EXPECT_GT(count_bit_diff(all.y, std::vector<float>(all.y.size(), 0.0f)), all.y.size() / 2) << "output all zero";
+}
+
+// A float64 twin of the MoE (the reference's rounding points, every sum in double):
+// the QA8'd hidden vectors hq [T][S][I]; and the outputs from given hidden vectors
+// (the GPU's, so that a QA8 code flipped at a rounding boundary does not propagate),
+// with the tolerance terms abs (sum of |h W2|) and mag (sum of |expert output|).
+struct Twin64 {
+  const MoeSetup& m;
+  int topk;
+  bool bf16;
+  const QMatrix& w1(int e) const { return m.tw.w1[static_cast<size_t>(e)]; }
+  static double dot(const QMatrix& W, int64_t r, const float* v, std::vector<float>& buf) {
+    buf.resize(static_cast<size_t>(W.cols));
+    W.dequant_rows(r, r + 1, buf.data());
+    double s = 0;
+    for (int64_t k = 0; k < W.cols; ++k) s += static_cast<double>(buf[static_cast<size_t>(k)]) * v[k];
+    return s;
+  }
+  std::vector<float> hidden(const std::vector<float>& x, int T, const std::vector<int32_t>& ids,
+                            const std::vector<float>& w) const {
+    const bool shared = m.tw.sw1.data != nullptr;
+    const int S = topk + (shared ? 1 : 0);
+    std::vector<float> hq(static_cast<size_t>(T) * S * m.I), xq, buf;
+    for (int t = 0; t < T; ++t) {
+      xq.assign(x.begin() + t * m.D, x.begin() + (t + 1) * m.D);
+      cpu::qa8_inplace(xq.data(), m.D, m.layer.qblock);
+      for (int j = 0; j < S; ++j) {
+        const bool routed = j < topk;
+        const QMatrix& W1 = routed ? m.tw.w1[static_cast<size_t>(ids[t * topk + j])] : m.tw.sw1;
+        const QMatrix& W3 = routed ? m.tw.w3[static_cast<size_t>(ids[t * topk + j])] : m.tw.sw3;
+        float* h = hq.data() + (static_cast<int64_t>(t) * S + j) * m.I;
+        for (int64_t i = 0; i < m.I; ++i) {
+          double g = dot(W1, i, xq.data(), buf), u = dot(W3, i, xq.data(), buf);
+          if (bf16) {
+            g = round_bf16(static_cast<float>(g));
+            u = round_bf16(static_cast<float>(u));
+          }
+          const double lim = m.layer.swiglu_limit;
+          u = std::min(std::max(u, -lim), lim);
+          g = std::min(g, lim);
+          double v = g / (1.0 + std::exp(-g)) * u;
+          if (routed) v *= w[static_cast<size_t>(t * topk + j)];
+          h[i] = bf16 ? round_bf16(static_cast<float>(v)) : static_cast<float>(v);
+        }
+        cpu::qa8_inplace(h, m.I, m.layer.qblock);
+      }
+    }
+    return hq;
+  }
+  void output(const std::vector<float>& hq, int T, const std::vector<int32_t>& ids, std::vector<float>& out,
+              std::vector<float>& abs, std::vector<float>& mag) const {
+    const bool shared = m.tw.sw1.data != nullptr;
+    const int S = topk + (shared ? 1 : 0);
+    out.assign(static_cast<size_t>(T) * m.D, 0.0f);
+    abs.assign(out.size(), 0.0f);
+    mag.assign(out.size(), 0.0f);
+    std::vector<float> buf, ha(static_cast<size_t>(m.I));
+    for (int t = 0; t < T; ++t) {
+      std::vector<int> order(static_cast<size_t>(topk));
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(),
+                       [&](int a, int b) { return ids[t * topk + a] < ids[t * topk + b]; });
+      if (shared) order.push_back(topk);
+      for (int64_t n = 0; n < m.D; ++n) {
+        double tot = 0, ab = 0, mg = 0;
+        for (int j : order) {
+          const QMatrix& W2 = j < topk ? m.tw.w2[static_cast<size_t>(ids[t * topk + j])] : m.tw.sw2;
+          const float* h = hq.data() + (static_cast<int64_t>(t) * S + j) * m.I;
+          buf.resize(static_cast<size_t>(m.I));
+          W2.dequant_rows(n, n + 1, buf.data());
+          double y = 0;
+          for (int64_t i = 0; i < m.I; ++i) {
+            y += static_cast<double>(buf[static_cast<size_t>(i)]) * h[i];
+            ab += std::fabs(static_cast<double>(buf[static_cast<size_t>(i)]) * h[i]);
+          }
+          if (bf16) y = round_bf16(static_cast<float>(y));
+          tot += y;
+          mg += std::fabs(y);
+        }
+        const size_t o = static_cast<size_t>(t * m.D + n);
+        out[o] = bf16 ? round_bf16(static_cast<float>(tot)) : static_cast<float>(tot);
+        abs[o] = static_cast<float>(ab);
+        mag[o] = static_cast<float>(mg);
+      }
+    }
+  }
+};
+
+void check_rows_twin64(const MoeSetup& m, int T, int topk, DType mode, const std::string& how, std::mt19937_64& rng) {
+  SCOPED_TRACE(testing::Message() << "twin64 D " << m.D << " I " << m.I << " E " << m.E << " T " << T << " " << how
+                                  << " mode " << (mode == DType::BF16 ? "bf16" : "f32"));
+  const bool bf16 = mode == DType::BF16;
+  std::vector<float> x = twin::random_acts(T, m.D, rng, bf16, -3, 1);
+  std::vector<int32_t> ids;
+  std::vector<float> w;
+  routing_pattern(how, T, m.E, topk, rng, ids, w);
+  const DecodeResult g = run_decode(m, x, T, topk, ids, w, mode);
+  const Twin64 tw{m, topk, bf16};
+  expect_hidden(g.hq, tw.hidden(x, T, ids, w), m.layer.qblock, "rows hidden vs float64 twin");
+  std::vector<float> ref, abs, mag;
+  tw.output(g.hq, T, ids, ref, abs, mag);
+  expect_output(g.y, ref, abs, mag, bf16, "rows output vs float64 twin");
+}
+
+}  // namespace
+
+// 2..16 rows in one moe_decode equal each row decoded alone, bit for bit, at tiny,
+// small and release shapes, for every routing overlap, in BF16 mode, in F32 mode (the
+// CUDA-core kernels) and in F32 mode on the tensor cores (DSX_GEMV_MMA=2).
+TEST(CudaMoe, RowsEqualOneRowBitwise) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(41);
+  auto tiny = make_moe(8, 256, 64, true, 32, 32, false, rng);
+  auto small = make_moe(384, 512, 96, true, 32, 32, false, rng);
+  auto noshared = make_moe(64, 1024, 192, false, 32, 32, false, rng);
+  auto rel = make_moe(24, 5120, 2304, true, 32, 32, false, rng);
+  for (const char* mma : {"1", "2"}) {
+    sw::Scoped sc(sw::Id::GEMV_MMA, mma);
+    for (DType mode : {DType::BF16, DType::F32}) {
+      if (mode == DType::BF16 && std::string(mma) == "2") continue;  // (the same kernels as "1")
+      for (int T : {2, 3, 5, 8, 9, 16}) {
+        expect_rows_equal_one_row(*tiny, T, 2, mode, "random", rng);
+        expect_rows_equal_one_row(*tiny, T, 6, mode, "same", rng);
+        for (const char* how : {"random", "same", "distinct", "pairs"}) expect_rows_equal_one_row(*small, T, 6, mode, how, rng);
+        expect_rows_equal_one_row(*noshared, T, 4, mode, "pairs", rng);
+      }
+      for (int T : {2, 4, 6, 16}) {
+        expect_rows_equal_one_row(*rel, T, 6, mode, "random", rng);
+        expect_rows_equal_one_row(*rel, T, 6, mode, "same", rng);
+      }
+      expect_rows_equal_one_row(*rel, 4, 6, mode, "distinct", rng);
+      expect_rows_equal_one_row(*rel, 7, 6, mode, "pairs", rng);
+    }
+  }
+}
+
+// The rows path against a float64 twin (fresh inputs; tiny and release shapes).
+TEST(CudaMoe, RowsMatchFloat64Twin) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(42);
+  auto tiny = make_moe(384, 256, 64, true, 32, 32, false, rng);
+  auto rel = make_moe(24, 5120, 2304, true, 32, 32, false, rng);
+  for (DType mode : {DType::BF16, DType::F32}) {
+    for (int T : {2, 6, 16})
+      for (const char* how : {"random", "same", "distinct"}) check_rows_twin64(*tiny, T, 6, mode, how, rng);
+  }
+  // (release shapes: a few cases, the double twin is slow there)
+  check_rows_twin64(*rel, 6, 6, DType::BF16, "random", rng);
+  check_rows_twin64(*rel, 16, 6, DType::BF16, "same", rng);
+  check_rows_twin64(*rel, 4, 6, DType::F32, "distinct", rng);
 }
 
 #endif  // DSX_HAVE_CUDA

@@ -283,18 +283,10 @@ void Forward::moe(const Pass& p, int l) {
                   w_.route_w, s_.main);
   }
   prof_.mark("router", s_.main);
-  if (T <= kMoeDecodeRows) {
+  if (T <= kGemvMaxT) {
+    // (up to 16 rows in one call: 2..16 rows stream each distinct expert once, moe.h)
     moe_decode(L.moe, m_.act, w_.f, D, T, K, w_.route_ids, w_.route_w, m_.act, w_.y, D, w_.moe_ws, w_.moe_ws_bytes,
                s_.main, staged_x(w_.xst_ffn, T));
-  } else if (T <= kGemvMaxT) {
-    // (the tensor-core decode kernels take up to kMoeDecodeRows rows: more in two launches,
-    // each with its own workspace, rows being independent in the MoE)
-    const size_t half = w_.moe_ws_bytes / 2;
-    for (int r0 = 0; r0 < T; r0 += kMoeDecodeRows) {
-      const int n = std::min(kMoeDecodeRows, T - r0);
-      moe_decode(L.moe, m_.act, act_row(w_.f, r0, D), D, n, K, w_.route_ids + r0 * K, w_.route_w + r0 * K, m_.act,
-                 act_row(w_.y, r0, D), D, static_cast<char*>(w_.moe_ws) + (r0 ? half : 0), half, s_.main, nullptr);
-    }
   } else {
     moe_prefill(L.moe, m_.act, w_.f, D, T, K, w_.route_ids, w_.route_w, m_.act, w_.y, D, w_.moe_ws, w_.moe_ws_bytes,
                 s_.main);

@@ -2,42 +2,28 @@
 
 #include <algorithm>
 #include <climits>
-#include <vector>
 
-#include "kernels/cuda/gemm.h"
-#include "kernels/cuda/gemm_internal.h"
 #include "kernels/cuda/gemv.h"
 #include "kernels/cuda/gemv_device.cuh"
 #include "kernels/cuda/gemv_ring_device.cuh"
 #include "kernels/cuda/gemv_launch.h"
 #include "kernels/cuda/moe_device.cuh"
-#include "kernels/cuda/moe_grouped.h"
+#include "kernels/cuda/moe_internal.cuh"
+#include "kernels/cuda/moe_ring_device.cuh"
 #include "util/error.h"
-#include "util/switches.h"
+
 
 namespace dsx::cuda {
 
+using namespace moe_detail;
+
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
+using namespace moe_dev;
+
 constexpr size_t kSmemBudget = 100 * 1024;
-constexpr int kMaxSlots = 16;
 constexpr int kDownRPW = 2;  // rows per warp unit of the down projection
 
-size_t align256(size_t v) { return (v + 255) & ~static_cast<size_t>(255); }
-
-// The view of a routed expert's MXFP4 matrix with K inputs (K / 2 data bytes and K / 32
-// scales per row; tiled: MoeLayer::tiled).
-__device__ __forceinline__ dev::WView expert_view(const uint8_t* w, const uint8_t* s, int K, int tiled) {
-  dev::WView v;
-  v.w = w;
-  v.s = s;
-  v.row_bytes = K / 2;
-  v.sc_cols = K / 32;
-  v.tiled = tiled;
-  return v;
-}
 
 // ---------------------------------------------------------------------------------
 // Up projection: w1 / w3 of every (token, slot) + SwiGLU + routing weight + QA8 -> hq.
@@ -510,120 +496,6 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_mma_kernel(const DownMma
   down_tile_out(p, t, tile, sm);
 }
 
-// ---------------------------------------------------------------------------------
-// One-token kernels on the shared-memory span ring (gemv_device.cuh): each warp walks a
-// sequence of pieces (16 rows x a span range of one weight matrix) and its copies run
-// U spans ahead across piece boundaries, so a warp's stream never drains between
-// units. Same arithmetic per piece as stream_tile. T > 1 (or where these do not fit):
-// the per-tile register-ring kernels above, which also measured slower at T = 1.
-// U: spans in flight per warp (ring of U + 1 slots of 1 KB). U = 4 is a bit faster on the
-// H200 than U = 8: MoE 69.2 -> 67.6 us, decode step 2.000 -> 1.978 ms; U = 8 measured
-// slower again in later sessions (docs/experiments.md). (Forcing 3 up blocks per SM with
-// U = 4, 75 registers, measured slower: 72.7 us.)
-template <int U>
-constexpr size_t ring_bytes(int warps) {
-  return static_cast<size_t>(warps) * (U + 1) * 1024;
-}
-constexpr int kRingU = 4;  // the one-token kernels' spans in flight per warp
-
-struct Piece {
-  dev::WView v;
-  int64_t row0 = 0, row_last = 0;
-  int s_lo = 0, s_hi = 0;
-  bool fp4 = false;
-};
-
-// The copy cursor of a warp over its pieces (piece_at(i), i < count) and its ring.
-template <int U, typename PieceAt>
-struct SpanStream {
-  uint4* ring;
-  int lane, NB, count;
-  PieceAt piece_at;
-  int li = 0;
-  dev::RingLoad ld;
-  // this lane's shared address in slot 0; byte offsets of the slots to fill / read next
-  uint32_t ring_lane = 0, off_in = 0, off_out = 0;
-
-  // points the copy cursor at piece li, or the next non-empty one (none: ld.left == 0)
-  __device__ void load_piece() {
-    for (; li < count; ++li) {
-      const Piece q = piece_at(li);
-      ld.set(q.v, q.row0, q.row_last, q.s_lo, q.s_hi, lane);
-      if (ld.left > 0) return;
-    }
-  }
-  __device__ void issue_one() {
-    ld.issue_at(ring_lane + off_in);
-    off_in = dev::next_ring_slot<U>(off_in);
-    if (ld.left == 0 && li < count) {
-      ++li;
-      load_piece();
-    }
-  }
-  __device__ void start() {
-    load_piece();
-#pragma unroll 1
-    for (int u = 0; u < U; ++u) issue_one();
-  }
-  // acc += the next piece (q, which must be piece_at of the consumer's position); bs /
-  // sas: staged B (stage_b_mma) of its one token.
-  template <WFormat F>
-  __device__ void consume_piece(const Piece& q, float (&acc)[1][2], const uint32_t* bs, const float* sas,
-                                const uint4* bzero) {
-    dev::with_ring_cons<F>(NB, q.v, [&](auto& cons) {
-      cons.set(q.v, q.row0, q.row_last, bs, sas, NB, 1, NB, bzero, lane);
-      // (not unrolled: the up kernel's code 98 -> 59 KB, the down kernel's 73 -> 40 KB;
-      // a warp's FP8 and MXFP4 loops and the two kernels share the SMs' instruction
-      // caches: 1.482 -> 1.466 ms per step, s17 run9; the ring GEMV's loop at unroll 1:
-      // no change)
-#pragma unroll 1
-      for (int s = q.s_lo; s < q.s_hi; ++s) {
-        dev::cp_async_wait<U - 1>();
-        cons.span_at(ring_lane + off_out, s, acc[0], lane);
-        issue_one();
-        off_out = dev::next_ring_slot<U>(off_out);
-      }
-    });
-    dev::mma_acc_finish<F, 1>(acc);
-  }
-  __device__ void finish() { dev::cp_async_wait<0>(); }
-};
-template <int U, typename PieceAt>
-__device__ SpanStream<U, PieceAt> make_stream(uint4* ring, int lane, int NB, int count, PieceAt at) {
-  SpanStream<U, PieceAt> st{ring, lane, NB, count, at};
-  st.ring_lane = dev::smem_u32(ring + lane);
-  return st;
-}
-
-// True in every lane of the last of `n` warps to arrive at *cnt (after each wrote its
-// partial sums to shared memory; the last one may then read them all).
-__device__ __forceinline__ bool last_warp_in(unsigned* cnt, unsigned n, int lane) {
-  __syncwarp();
-  unsigned old = 0;
-  if (lane == 0) {
-    __threadfence_block();
-    old = atomicAdd(cnt, 1u);
-  }
-  old = __shfl_sync(0xffffffffu, old, 0);
-  if (old != n - 1) return false;
-  __threadfence_block();
-  return true;
-}
-
-// The one-token down kernel's staged activations (in 32-bit words): QA8(h) of the routed
-// slots in the MXFP4 B order ([topk][NBI][16], stage_b_mma's layout) and their scales
-// ([topk][NBI]), then, at a 16-byte boundary, the shared expert's in the FP8 B order
-// ([NBI][16]) and scales ([NBI]). The up kernel writes it to global memory, the down
-// kernel's blocks copy it into shared memory as is.
-struct DownStage {
-  int64_t sas_r, bs_s, sas_s, words;
-  __host__ __device__ DownStage(int topk, int NBI) {
-    sas_r = static_cast<int64_t>(topk) * NBI * 16;
-    bs_s = (static_cast<int64_t>(topk) * NBI * 17 + 3) & ~int64_t{3};
-    sas_s = bs_s + static_cast<int64_t>(NBI) * 16;
-    words = (sas_s + NBI + 3) & ~int64_t{3};
-  }
-};
 
 // Up projection of one token: a persistent grid (resident blocks) walks the units
 // (shared-expert tiles first, then (slot, tile) of the routed experts) in pairs, in
@@ -923,79 +795,64 @@ DecodeLayout decode_layout(const MoeLayer& m, int T, int topk) {
   return L;
 }
 
-dev::WView fp8_view(const QMatrix& W) {
-  dev::WView v;
-  v.w = W.data;
-  v.s = W.scale;
-  v.row_bytes = W.cols;
-  v.tiled = W.tiled ? 1 : 0;
-  v.sc_cols = static_cast<int>((W.cols + W.block - 1) / W.block);
-  int s = 0;
-  while ((1 << s) < W.block) ++s;
-  v.wshift = s;
-  return v;
-}
-
-void check_layer(const MoeLayer& m, int topk) {
-  DSX_CHECK(m.hidden > 0 && m.hidden % 32 == 0 && m.inter > 0 && m.inter % 32 == 0, "moe: D=", m.hidden,
-            " and I=", m.inter, " must be multiples of 32");
-  DSX_CHECK(m.qblock == 32 || m.qblock == 64 || m.qblock == 128, "moe: bad QA8 block ", m.qblock);
-  DSX_CHECK(m.inter % std::max(32, m.qblock) == 0 && m.hidden % m.qblock == 0, "moe: sizes not multiples of qblock");
-  DSX_CHECK(topk >= 1 && topk <= 8, "moe: topk must be in 1..8");
-  DSX_CHECK(m.w1 && m.w1_scale && m.w3 && m.w3_scale && m.w2 && m.w2_scale, "moe: missing expert pointer arrays");
-  DSX_CHECK(m.hidden <= (1 << 24) && m.inter <= (1 << 24), "moe: sizes too large");
-  DSX_CHECK(!m.tiled || moe_experts_tile16(m.hidden, m.inter), "moe: the 16-row tile layout of the routed experts ",
-            "needs D and I of whole tiles and spans (D=", m.hidden, ", I=", m.inter, ")");
-  if (m.shared_w1.data) {
-    const QMatrix* sh[3] = {&m.shared_w1, &m.shared_w3, &m.shared_w2};
-    for (const QMatrix* q : sh) {
-      DSX_CHECK(q->data && q->scale && q->fmt == WFormat::FP8_BLOCK, "moe: shared expert must be FP8_BLOCK");
-      DSX_CHECK(q->block == 32 || q->block == 64 || q->block == 128, "moe: shared expert tile must be 32/64/128");
-      DSX_CHECK(detail::aligned16(q->data), "moe: shared expert data must be 16-byte aligned");
-      DSX_CHECK(!q->tiled || tile16_fits(*q), "moe: shared expert ", q->name, " tiled but not of whole tiles");
-    }
-    DSX_CHECK(m.shared_w1.rows == m.inter && m.shared_w1.cols == m.hidden && m.shared_w3.rows == m.inter &&
-                  m.shared_w3.cols == m.hidden && m.shared_w2.rows == m.hidden && m.shared_w2.cols == m.inter,
-              "moe: shared expert shapes do not match D / I");
-  }
-}
-
 
 // Partial sums and arrival counters of the up kernel for max_units units per block.
 size_t up_red_bytes(int max_units) { return static_cast<size_t>(max_units) * (kWarps * 16 * 4 + 4); }
+
+// Launch plan of the one-token ring kernels with U spans in flight per warp (ok: they fit).
+struct RingT1Plan {
+  bool ok = false;
+  int64_t grid_up = 0, grid_dn = 0;
+  int max_units = 0, max_tiles = 0;
+  size_t smem_up = 0, smem_dn = 0;
+};
+template <int U>
+RingT1Plan ring_t1_plan(int topk, int has_shared, int64_t n_up, int NB, int NTD, size_t smem_dn) {
+  RingT1Plan pl;
+  auto kdn = moe_down_ring_t1_kernel<U>;
+  auto kup = moe_up_ring_t1_kernel<U>;
+  const size_t stage = 2 * (static_cast<size_t>(NB) * 64 + static_cast<size_t>((NB + 3) & ~3) * 4);
+  // down: one block per SM (16 warps); per tile of a block the pieces' partial sums and a counter
+  pl.grid_dn = std::min<int64_t>(NTD, sm_count());
+  pl.max_tiles = static_cast<int>((NTD + pl.grid_dn - 1) / pl.grid_dn);
+  const int pieces = 2 * (topk + 2 * has_shared);
+  pl.smem_dn = ring_bytes<U>(kDownRingWarps) + smem_dn + 16 +
+               static_cast<size_t>(pl.max_tiles) * (static_cast<size_t>(pieces) * 64 + 4);
+  if (pl.smem_dn > detail::max_dynamic_smem(kdn) || detail::occupancy(kdn, kDownRingThreads, pl.smem_dn) < 1)
+    return pl;
+  // up: resident blocks with room for the partial sums of their units
+  const size_t base = ring_bytes<U>(kWarps) + stage;
+  if (base > detail::max_dynamic_smem(kup)) return pl;
+  const int64_t n_pairs = n_up / 2;  // the kernel's units go in pairs (whole QA8 blocks of h)
+  for (int occ = detail::occupancy(kup, kThreads, base); occ >= 1; --occ) {
+    const int64_t grid = std::min<int64_t>(n_pairs, static_cast<int64_t>(occ) * sm_count());
+    const int max_units = static_cast<int>(2 * ((n_pairs + grid - 1) / grid));
+    const size_t smem1 = base + up_red_bytes(max_units);
+    if (smem1 <= detail::max_dynamic_smem(kup) && detail::occupancy(kup, kThreads, smem1) >= occ) {
+      pl.grid_up = grid;
+      pl.max_units = max_units;
+      pl.smem_up = smem1;
+      pl.ok = true;
+      return pl;
+    }
+  }
+  return pl;
+}
 
 // The one-token ring kernels with U spans in flight per warp; false when they do not fit.
 template <int U>
 bool launch_ring_t1(const UpMmaParams& up, const DownMmaParams& dn, int64_t n_up, int NB, int NTD, size_t smem_dn,
                     cudaStream_t stream) {
-  auto kdn = moe_down_ring_t1_kernel<U>;
-  auto kup = moe_up_ring_t1_kernel<U>;
-  const size_t stage = 2 * (static_cast<size_t>(NB) * 64 + static_cast<size_t>((NB + 3) & ~3) * 4);
-  // down: one block per SM (16 warps); per tile of a block the pieces' partial sums and a counter
-  DownMmaParams dn1 = dn;
-  const int64_t gridd = std::min<int64_t>(NTD, sm_count());
-  dn1.max_tiles = static_cast<int>((NTD + gridd - 1) / gridd);
-  const int pieces = 2 * (dn.topk + 2 * dn.has_shared);
-  const size_t smemd = ring_bytes<U>(kDownRingWarps) + smem_dn + 16 +
-                       static_cast<size_t>(dn1.max_tiles) * (static_cast<size_t>(pieces) * 64 + 4);
-  if (smemd > detail::max_dynamic_smem(kdn) || detail::occupancy(kdn, kDownRingThreads, smemd) < 1) return false;
-  // up: resident blocks with room for the partial sums of their units
-  const size_t base = ring_bytes<U>(kWarps) + stage;
-  if (base > detail::max_dynamic_smem(kup)) return false;
+  const RingT1Plan pl = ring_t1_plan<U>(dn.topk, dn.has_shared, n_up, NB, NTD, smem_dn);
+  if (!pl.ok) return false;
   UpMmaParams up1 = up;
-  bool launched = false;
-  const int64_t n_pairs = n_up / 2;  // the kernel's units go in pairs (whole QA8 blocks of h)
-  for (int occ = detail::occupancy(kup, kThreads, base); occ >= 1 && !launched; --occ) {
-    const int64_t grid = std::min<int64_t>(n_pairs, static_cast<int64_t>(occ) * sm_count());
-    up1.max_units = static_cast<int>(2 * ((n_pairs + grid - 1) / grid));
-    const size_t smem1 = base + up_red_bytes(up1.max_units);
-    if (smem1 <= detail::max_dynamic_smem(kup) && detail::occupancy(kup, kThreads, smem1) >= occ) {
-      detail::launch_pdl(kup, dim3(static_cast<unsigned>(grid)), dim3(kThreads), smem1, stream, up1);
-      launched = true;
-    }
-  }
-  if (!launched) return false;
-  detail::launch_pdl(kdn, dim3(static_cast<unsigned>(gridd)), dim3(kDownRingThreads), smemd, stream, dn1);
+  up1.max_units = pl.max_units;
+  DownMmaParams dn1 = dn;
+  dn1.max_tiles = pl.max_tiles;
+  detail::launch_pdl(moe_up_ring_t1_kernel<U>, dim3(static_cast<unsigned>(pl.grid_up)), dim3(kThreads), pl.smem_up,
+                     stream, up1);
+  detail::launch_pdl(moe_down_ring_t1_kernel<U>, dim3(static_cast<unsigned>(pl.grid_dn)), dim3(kDownRingThreads),
+                     pl.smem_dn, stream, dn1);
   return true;
 }
 
@@ -1082,13 +939,38 @@ bool moe_decode_mma(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int
 
 }  // namespace
 
-size_t moe_decode_ws_bytes(const MoeLayer& m, int T, int topk) { return decode_layout(m, T, topk).total; }
+namespace moe_detail {
+
+// The conditions under which a one-row moe_decode runs the one-token ring kernels (the
+// mode test aside: moe_decode_mma's shape tests and launch plans at T = 1).
+bool ring_t1_supported(const MoeLayer& m, int topk) {
+  const bool has_shared = m.shared_w1.data != nullptr;
+  const int S = topk + (has_shared ? 1 : 0);
+  if (m.qblock != 32 || m.inter % 32 != 0 || m.hidden % 32 != 0 || S > kMaxSlots) return false;
+  if (has_shared && (m.shared_w1.block < 16 || m.shared_w2.block < 16)) return false;
+  const int D = static_cast<int>(m.hidden), I = static_cast<int>(m.inter);
+  const int NB = D / 32, NBI = I / 32, NTI = (I + 15) / 16, NTD = (D + 15) / 16;
+  const size_t smem_up = static_cast<size_t>(NB) * (64 + 4) + kWarps * 16 * 8 * 4;
+  if (smem_up > detail::max_dynamic_smem(moe_up_mma_kernel<1>)) return false;
+  const size_t smem_dn = static_cast<size_t>(topk + 1) * NBI * (64 + 4) + 16;
+  if (smem_dn > detail::max_dynamic_smem(moe_down_mma_kernel)) return false;
+  const int64_t n_up = (has_shared ? NTI : 0) + static_cast<int64_t>(topk) * NTI;
+  return ring_t1_plan<kRingU>(topk, has_shared ? 1 : 0, n_up, NB, NTD, smem_dn).ok;
+}
+
+}  // namespace moe_detail
+
+size_t moe_decode_ws_bytes(const MoeLayer& m, int T, int topk) {
+  return std::max(decode_layout(m, T, topk).total, rows_ws_bytes(m, T, topk));
+}
 
 void moe_decode(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int T, int topk, const int32_t* ids,
                 const float* weights, DType yt, void* y, int64_t ldy, void* ws, size_t ws_bytes,
                 cudaStream_t stream, const uint32_t* x_staged) {
   if (T <= 0) return;
   check_layer(m, topk);
+  // 2..16 rows: each distinct expert streamed once for all its rows (moe_rows.cu)
+  if (T >= 2 && moe_decode_rows(m, xt, x, ldx, T, topk, ids, weights, yt, y, ldy, ws, ws_bytes, stream)) return;
   const DecodeLayout L = decode_layout(m, T, topk);
   DSX_CHECK(ws && ws_bytes >= L.total, "moe_decode: workspace too small (", ws_bytes, " < ", L.total, ")");
   const int S = topk + (m.shared_w1.data ? 1 : 0);
@@ -1166,356 +1048,47 @@ void moe_decode(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int T, 
 }
 
 
-// =================================================================================
-// Prefill
-namespace {
+// ---- shared by the decode and prefill files (moe_internal.cuh) ------------------
+namespace moe_detail {
 
-__global__ void count_kernel(const int32_t* __restrict__ ids, int n, int E, int* __restrict__ counts) {
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
-    const int e = ids[i];
-    if (e >= 0 && e < E) atomicAdd(counts + e, 1);
-  }
+dev::WView fp8_view(const QMatrix& W) {
+  dev::WView v;
+  v.w = W.data;
+  v.s = W.scale;
+  v.row_bytes = W.cols;
+  v.tiled = W.tiled ? 1 : 0;
+  v.sc_cols = static_cast<int>((W.cols + W.block - 1) / W.block);
+  int s = 0;
+  while ((1 << s) < W.block) ++s;
+  v.wshift = s;
+  return v;
 }
 
-__global__ void scan_kernel(const int* __restrict__ counts, int E, int* __restrict__ offs) {
-  if (threadIdx.x == 0 && blockIdx.x == 0) {
-    int s = 0;
-    for (int e = 0; e < E; ++e) {
-      offs[e] = s;
-      s += counts[e];
+void check_layer(const MoeLayer& m, int topk) {
+  DSX_CHECK(m.hidden > 0 && m.hidden % 32 == 0 && m.inter > 0 && m.inter % 32 == 0, "moe: D=", m.hidden,
+            " and I=", m.inter, " must be multiples of 32");
+  DSX_CHECK(m.qblock == 32 || m.qblock == 64 || m.qblock == 128, "moe: bad QA8 block ", m.qblock);
+  DSX_CHECK(m.inter % std::max(32, m.qblock) == 0 && m.hidden % m.qblock == 0, "moe: sizes not multiples of qblock");
+  DSX_CHECK(topk >= 1 && topk <= 8, "moe: topk must be in 1..8");
+  DSX_CHECK(m.w1 && m.w1_scale && m.w3 && m.w3_scale && m.w2 && m.w2_scale, "moe: missing expert pointer arrays");
+  DSX_CHECK(m.hidden <= (1 << 24) && m.inter <= (1 << 24), "moe: sizes too large");
+  DSX_CHECK(!m.tiled || moe_experts_tile16(m.hidden, m.inter), "moe: the 16-row tile layout of the routed experts ",
+            "needs D and I of whole tiles and spans (D=", m.hidden, ", I=", m.inter, ")");
+  if (m.shared_w1.data) {
+    const QMatrix* sh[3] = {&m.shared_w1, &m.shared_w3, &m.shared_w2};
+    for (const QMatrix* q : sh) {
+      DSX_CHECK(q->data && q->scale && q->fmt == WFormat::FP8_BLOCK, "moe: shared expert must be FP8_BLOCK");
+      DSX_CHECK(q->block == 32 || q->block == 64 || q->block == 128, "moe: shared expert tile must be 32/64/128");
+      DSX_CHECK(detail::aligned16(q->data), "moe: shared expert data must be 16-byte aligned");
+      DSX_CHECK(!q->tiled || tile16_fits(*q), "moe: shared expert ", q->name, " tiled but not of whole tiles");
     }
-    offs[E] = s;
+    DSX_CHECK(m.shared_w1.rows == m.inter && m.shared_w1.cols == m.hidden && m.shared_w3.rows == m.inter &&
+                  m.shared_w3.cols == m.hidden && m.shared_w2.rows == m.hidden && m.shared_w2.cols == m.inter,
+              "moe: shared expert shapes do not match D / I");
   }
 }
 
-// Block e lists, in ascending entry order, the entries i (= t * topk + j) routed to
-// expert e: perm[offs[e] + rank] = i, inv[i] = offs[e] + rank. Deterministic.
-__global__ void __launch_bounds__(kThreads) compact_kernel(const int32_t* __restrict__ ids, int n,
-                                                           const int* __restrict__ offs, int* __restrict__ perm,
-                                                           int* __restrict__ inv) {
-  __shared__ int wsum[kWarps];
-  const int e = blockIdx.x;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int base = offs[e];
-  for (int s0 = 0; s0 < n; s0 += kThreads) {
-    const int i = s0 + threadIdx.x;
-    const bool f = i < n && ids[i] == e;
-    const unsigned bal = __ballot_sync(dev::kFull, f);
-    if (lane == 0) wsum[warp] = __popc(bal);
-    __syncthreads();
-    int woff = 0, tot = 0;
-    for (int w = 0; w < kWarps; ++w) {
-      if (w < warp) woff += wsum[w];
-      tot += wsum[w];
-    }
-    if (f) {
-      const int pos = base + woff + __popc(bal & ((1u << lane) - 1u));
-      perm[pos] = i;
-      inv[i] = pos;
-    }
-    base += tot;
-    __syncthreads();
-  }
-}
 
-// dst[p, :] = src[perm[p] / topk, :] (rows of `row_bytes` bytes, multiple of 16).
-__global__ void gather_rows_kernel(const uint8_t* __restrict__ src, const int* __restrict__ perm, int rows, int topk,
-                                   int64_t row_bytes, uint8_t* __restrict__ dst) {
-  const int64_t q = row_bytes / 16;
-  const int64_t total = static_cast<int64_t>(rows) * q;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t p = i / q, c = i % q;
-    const int64_t s = perm[p] / topk;
-    reinterpret_cast<uint4*>(dst + p * row_bytes)[c] = reinterpret_cast<const uint4*>(src + s * row_bytes)[c];
-  }
-}
-
-// h[p, i] from gu[p] = [g(I) | u(I)]; rows p < n_routed use weights[perm[p]], the
-// others (shared expert) weight 1.
-__global__ void swiglu_rows_kernel(const float* __restrict__ gu, int rows, int n_routed, int I,
-                                   const int* __restrict__ perm, const float* __restrict__ weights, float lim,
-                                   int bf16, float* __restrict__ h) {
-  const int64_t total = static_cast<int64_t>(rows) * I;
-  for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < total;
-       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t p = k / I, i = k % I;
-    const float w = p < n_routed ? weights[perm[p]] : 1.0f;
-    const float* r = gu + p * 2 * I;
-    h[k] = dev::swiglu_h(r[i], r[I + i], w, lim, bf16);
-  }
-}
-
-// out[t, :] = sum over slots in ascending expert id of y[inv[t*topk + j]] (+ y[n_routed + t]).
-__global__ void combine_kernel(const float* __restrict__ yp, const int* __restrict__ inv,
-                               const int32_t* __restrict__ ids, int topk, int n_routed, int has_shared, int D,
-                               int bf16, void* y, int yt, int64_t ldy) {
-  __shared__ int rows[kMaxSlots];
-  const int t = blockIdx.x;
-  if (threadIdx.x == 0) {
-    int ord[kMaxSlots];
-    for (int j = 0; j < topk; ++j) ord[j] = j;
-    for (int a = 1; a < topk; ++a) {
-      const int v = ord[a];
-      int b = a - 1;
-      while (b >= 0 && ids[t * topk + ord[b]] > ids[t * topk + v]) {
-        ord[b + 1] = ord[b];
-        --b;
-      }
-      ord[b + 1] = v;
-    }
-    for (int j = 0; j < topk; ++j) rows[j] = inv[t * topk + ord[j]];
-    rows[topk] = n_routed + t;
-  }
-  __syncthreads();
-  const int S = topk + has_shared;
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float tot = 0.0f;
-    for (int s = 0; s < S; ++s) {
-      float v = yp[static_cast<int64_t>(rows[s]) * D + d];
-      if (bf16) v = round_bf16(v);
-      tot += v;
-    }
-    dev::store_act(y, yt, static_cast<int64_t>(t) * ldy + d, tot);
-  }
-}
-
-struct PrefillLayout {
-  size_t xq, counts, offs, perm, inv, xg, gu, h, hq, yp, wd, total;
-};
-PrefillLayout prefill_layout(const MoeLayer& m, int T, int topk, size_t cs) {
-  const size_t D = static_cast<size_t>(m.hidden), I = static_cast<size_t>(m.inter);
-  const size_t Tk = static_cast<size_t>(T) * topk;
-  const size_t rows_all = Tk + (m.shared_w1.data ? T : 0);
-  PrefillLayout L{};
-  size_t off = 0;
-  auto take = [&](size_t& at, size_t bytes) {
-    at = off;
-    off = align256(off + bytes);
-  };
-  take(L.xq, T * D * cs);
-  take(L.counts, m.n_experts * 4);
-  take(L.offs, (m.n_experts + 1) * 4);
-  take(L.perm, Tk * 4);
-  take(L.inv, Tk * 4);
-  take(L.xg, Tk * D * cs);
-  take(L.gu, rows_all * 2 * I * 4);
-  take(L.h, rows_all * I * 4);
-  take(L.hq, rows_all * I * cs);
-  take(L.yp, rows_all * D * 4);
-  take(L.wd, 2 * I * D * cs);
-  L.total = off;
-  return L;
-}
-
-unsigned grid_for(int64_t n, int per_block = 256) {
-  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((n + per_block - 1) / per_block,
-                                                                       static_cast<int64_t>(sm_count()) * 16)));
-}
-
-// The grouped path (moe_grouped.h): grouping and tile plan on the device, one launch for
-// the gate / up products (SwiGLU and QA8 fused), one for the down products, the combine.
-struct GroupedLayout {
-  size_t counts, offs, perm, inv, tiles, ntiles, xb, hq, yp, total;
-};
-GroupedLayout grouped_layout(const MoeLayer& m, int T, int topk) {
-  const size_t D = static_cast<size_t>(m.hidden), I = static_cast<size_t>(m.inter);
-  const size_t Tk = static_cast<size_t>(T) * topk;
-  const size_t rows_all = Tk + (m.shared_w1.data ? T : 0);
-  GroupedLayout L{};
-  size_t off = 0;
-  auto take = [&](size_t& at, size_t bytes) {
-    at = off;
-    off = align256(off + bytes);
-  };
-  take(L.counts, m.n_experts * 4);
-  take(L.offs, (m.n_experts + 1) * 4);
-  take(L.perm, Tk * 4);
-  take(L.inv, Tk * 4);
-  take(L.tiles, static_cast<size_t>(grouped_max_tiles(m, T, topk)) * sizeof(int4));
-  take(L.ntiles, 4);
-  take(L.xb, rows_all * D * 2);
-  take(L.hq, rows_all * I * 2);
-  take(L.yp, rows_all * D * 4);
-  L.total = off;
-  return L;
-}
-
-bool prefill_grouped() { return sw::get_str(sw::Id::MOE_PREFILL) != "cublas"; }
-
-void moe_prefill_grouped(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int T, int topk,
-                         const int32_t* ids, const float* weights, DType yt, void* y, int64_t ldy, void* ws,
-                         size_t ws_bytes, cudaStream_t stream) {
-  const GroupedLayout L = grouped_layout(m, T, topk);
-  DSX_CHECK(ws && ws_bytes >= L.total, "moe_prefill: workspace too small (", ws_bytes, " < ", L.total, ")");
-  char* base = static_cast<char*>(ws);
-  auto at = [&](size_t o) { return static_cast<void*>(base + o); };
-  const int E = m.n_experts;
-  const int Tk = T * topk;
-  const bool has_shared = m.shared_w1.data != nullptr;
-  int* counts = static_cast<int*>(at(L.counts));
-  int* offs = static_cast<int*>(at(L.offs));
-  int* perm = static_cast<int*>(at(L.perm));
-  int* inv = static_cast<int*>(at(L.inv));
-  uint16_t* xb = static_cast<uint16_t*>(at(L.xb));
-  uint16_t* hq = static_cast<uint16_t*>(at(L.hq));
-  float* yp = static_cast<float*>(at(L.yp));
-  // 1. group the (token, slot) entries by expert (ids outside [0, E) are dropped)
-  DSX_CUDA_CHECK(cudaMemsetAsync(counts, 0, static_cast<size_t>(E) * 4, stream));
-  count_kernel<<<grid_for(Tk), 256, 0, stream>>>(ids, Tk, E, counts);
-  scan_kernel<<<1, 32, 0, stream>>>(counts, E, offs);
-  compact_kernel<<<static_cast<unsigned>(E), kThreads, 0, stream>>>(ids, Tk, offs, perm, inv);
-  DSX_CUDA_CHECK(cudaGetLastError());
-  GroupedMoe g;
-  g.T = T;
-  g.topk = topk;
-  g.counts = counts;
-  g.offs = offs;
-  g.perm = perm;
-  g.weights = weights;
-  g.tiles = static_cast<int4*>(at(L.tiles));
-  g.n_tiles = static_cast<int*>(at(L.ntiles));
-  // 2. the tiles, the QA8'd rows, the products
-  grouped_plan(m, g, stream);
-  grouped_gather_qa8(m, g, xt, x, ldx, xb, stream);
-  grouped_up(m, g, xb, yt == DType::BF16, hq, nullptr, stream);
-  grouped_down(m, g, hq, yp, stream);
-  // 3. combine in the reference order
-  combine_kernel<<<static_cast<unsigned>(T), 256, 0, stream>>>(yp, inv, ids, topk, Tk, has_shared ? 1 : 0,
-                                                                static_cast<int>(m.hidden), yt == DType::BF16 ? 1 : 0,
-                                                                y, static_cast<int>(yt), ldy);
-  DSX_CUDA_CHECK(cudaGetLastError());
-}
-
-}  // namespace
-
-size_t moe_prefill_ws_bytes(const MoeLayer& m, int T, int topk) {
-  // (either path: the switch is read per call)
-  return std::max(prefill_layout(m, T, topk, 4).total, grouped_layout(m, T, topk).total);
-}
-
-void moe_prefill(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int T, int topk, const int32_t* ids,
-                 const float* weights, DType yt, void* y, int64_t ldy, void* ws, size_t ws_bytes,
-                 cudaStream_t stream, const MoePrefillOpts& opts) {
-  if (T <= 0) return;
-  check_layer(m, topk);
-  if (prefill_grouped() && grouped_supported(m)) {
-    moe_prefill_grouped(m, xt, x, ldx, T, topk, ids, weights, yt, y, ldy, ws, ws_bytes, stream);
-    return;
-  }
-  // the dequant + cuBLAS path (DSX_MOE_PREFILL=cublas)
-  const bool bf16 = yt == DType::BF16;
-  const DType ct = bf16 ? DType::BF16 : DType::F32;
-  const size_t cs = dtype_size(ct);
-  const PrefillLayout L = prefill_layout(m, T, topk, cs);
-  DSX_CHECK(ws && ws_bytes >= L.total, "moe_prefill: workspace too small (", ws_bytes, " < ", L.total, ")");
-  char* base = static_cast<char*>(ws);
-  const int E = m.n_experts;
-  const int64_t D = m.hidden, I = m.inter;
-  const int Tk = T * topk;
-  const bool has_shared = m.shared_w1.data != nullptr;
-  const int rows_all = Tk + (has_shared ? T : 0);
-  auto at = [&](size_t o) { return static_cast<void*>(base + o); };
-  uint8_t* xq = static_cast<uint8_t*>(at(L.xq));
-  int* counts = static_cast<int*>(at(L.counts));
-  int* offs = static_cast<int*>(at(L.offs));
-  int* perm = static_cast<int*>(at(L.perm));
-  int* inv = static_cast<int*>(at(L.inv));
-  uint8_t* xg = static_cast<uint8_t*>(at(L.xg));
-  float* gu = static_cast<float*>(at(L.gu));
-  float* h = static_cast<float*>(at(L.h));
-  uint8_t* hq = static_cast<uint8_t*>(at(L.hq));
-  float* yp = static_cast<float*>(at(L.yp));
-  uint8_t* wd = static_cast<uint8_t*>(at(L.wd));
-
-  // 1. QA8 of the input, once for every expert
-  qa8_fake(xt, x, ldx, T, D, m.qblock, ct, xq, D, stream);
-  // 2. group the (token, slot) entries by expert
-  DSX_CUDA_CHECK(cudaMemsetAsync(counts, 0, static_cast<size_t>(E) * 4, stream));
-  count_kernel<<<grid_for(Tk), 256, 0, stream>>>(ids, Tk, E, counts);
-  scan_kernel<<<1, 32, 0, stream>>>(counts, E, offs);
-  compact_kernel<<<static_cast<unsigned>(E), kThreads, 0, stream>>>(ids, Tk, offs, perm, inv);
-  DSX_CUDA_CHECK(cudaGetLastError());
-  gather_rows_kernel<<<grid_for(static_cast<int64_t>(Tk) * D * cs / 16), 256, 0, stream>>>(xq, perm, Tk, topk,
-                                                                                          D * cs, xg);
-  DSX_CUDA_CHECK(cudaGetLastError());
-  // 3. counts and expert pointers to the host (the one synchronisation)
-  std::vector<int> cnt(static_cast<size_t>(E));
-  std::vector<const uint8_t*> p1(E), p1s(E), p3(E), p3s(E), p2(E), p2s(E);
-  const size_t pb = static_cast<size_t>(E) * sizeof(void*);
-  DSX_CUDA_CHECK(cudaMemcpyAsync(cnt.data(), counts, static_cast<size_t>(E) * 4, cudaMemcpyDeviceToHost, stream));
-  DSX_CUDA_CHECK(cudaMemcpyAsync(p1.data(), m.w1, pb, cudaMemcpyDeviceToHost, stream));
-  DSX_CUDA_CHECK(cudaMemcpyAsync(p1s.data(), m.w1_scale, pb, cudaMemcpyDeviceToHost, stream));
-  DSX_CUDA_CHECK(cudaMemcpyAsync(p3.data(), m.w3, pb, cudaMemcpyDeviceToHost, stream));
-  DSX_CUDA_CHECK(cudaMemcpyAsync(p3s.data(), m.w3_scale, pb, cudaMemcpyDeviceToHost, stream));
-  DSX_CUDA_CHECK(cudaMemcpyAsync(p2.data(), m.w2, pb, cudaMemcpyDeviceToHost, stream));
-  DSX_CUDA_CHECK(cudaMemcpyAsync(p2s.data(), m.w2_scale, pb, cudaMemcpyDeviceToHost, stream));
-  DSX_CUDA_CHECK(cudaStreamSynchronize(stream));
-
-  const int gmin = std::max(1, opts.gemm_min_tokens);
-  GemvOpts gv;
-  gv.qa8 = false;  // inputs are already QA8'd
-  auto mx = [&](const uint8_t* w, const uint8_t* s, int64_t N, int64_t K) {
-    QMatrix q;
-    q.fmt = WFormat::MXFP4;
-    q.rows = N;
-    q.cols = K;
-    q.block = 32;
-    q.data = w;
-    q.scale = s;
-    q.tiled = m.tiled;
-    q.name = "expert";
-    return q;
-  };
-  // gate/up of one expert (or the shared expert): rows n of input a -> gu rows
-  auto up = [&](const QMatrix& q1, const QMatrix& q3, const void* a, int n, float* out) {
-    if (n >= gmin) {
-      dequant(q1, ct, wd, stream);  // (q1, q3: [I, D])
-      dequant(q3, ct, wd + I * D * cs, stream);
-      gemm_dense(ct, a, D, n, wd, 2 * I, D, DType::F32, out, 2 * I, stream);
-    } else {
-      gemv(q1, ct, a, D, n, DType::F32, out, 2 * I, gv, stream);
-      gemv(q3, ct, a, D, n, DType::F32, out + I, 2 * I, gv, stream);
-    }
-  };
-  auto down = [&](const QMatrix& q2, const void* a, int n, float* out) {
-    if (n >= gmin) {
-      dequant(q2, ct, wd, stream);  // ([D, I])
-      gemm_dense(ct, a, I, n, wd, D, I, DType::F32, out, D, stream);
-    } else {
-      gemv(q2, ct, a, I, n, DType::F32, out, D, gv, stream);
-    }
-  };
-
-  // 4. gate/up products
-  int off = 0;
-  for (int e = 0; e < E; ++e) {
-    const int n = cnt[static_cast<size_t>(e)];
-    if (n > 0) up(mx(p1[e], p1s[e], I, D), mx(p3[e], p3s[e], I, D), xg + static_cast<int64_t>(off) * D * cs, n,
-                  gu + static_cast<int64_t>(off) * 2 * I);
-    off += n;
-  }
-  DSX_CHECK(off == Tk, "moe_prefill: expert ids outside [0, ", E, ")");
-  if (has_shared) up(m.shared_w1, m.shared_w3, xq, T, gu + static_cast<int64_t>(Tk) * 2 * I);
-  // 5. SwiGLU (+ routing weight) and QA8 of the hidden rows
-  swiglu_rows_kernel<<<grid_for(static_cast<int64_t>(rows_all) * I), 256, 0, stream>>>(
-      gu, rows_all, Tk, static_cast<int>(I), perm, weights, m.swiglu_limit, bf16 ? 1 : 0, h);
-  DSX_CUDA_CHECK(cudaGetLastError());
-  qa8_fake(DType::F32, h, I, rows_all, I, m.qblock, ct, hq, I, stream);
-  // 6. down products
-  off = 0;
-  for (int e = 0; e < E; ++e) {
-    const int n = cnt[static_cast<size_t>(e)];
-    if (n > 0)
-      down(mx(p2[e], p2s[e], D, I), hq + static_cast<int64_t>(off) * I * cs, n, yp + static_cast<int64_t>(off) * D);
-    off += n;
-  }
-  if (has_shared) down(m.shared_w2, hq + static_cast<int64_t>(Tk) * I * cs, T, yp + static_cast<int64_t>(Tk) * D);
-  // 7. combine in the reference order
-  combine_kernel<<<static_cast<unsigned>(T), 256, 0, stream>>>(yp, inv, ids, topk, Tk, has_shared ? 1 : 0,
-                                                                static_cast<int>(D), bf16 ? 1 : 0, y,
-                                                                static_cast<int>(yt), ldy);
-  DSX_CUDA_CHECK(cudaGetLastError());
-}
+}  // namespace moe_detail
 
 }  // namespace dsx::cuda

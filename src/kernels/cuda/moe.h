@@ -52,10 +52,17 @@ inline bool moe_experts_tile16(int64_t D, int64_t I) {
   return tile16_fits(up) && tile16_fits(down);
 }
 
-// ---- decode: one or a few tokens, two launches, no host synchronisation ----------
+// ---- decode: one or a few tokens, two or three launches, no host synchronisation -----
 //
 // x: ffn_norm output [T, D] (type xt, row stride ldx); ids / weights: [T, topk] on the
-// device (router order); y: [T, D] of type yt (row stride ldy).
+// device (router order; a row's experts distinct, as the router's top-k); y: [T, D] of
+// type yt (row stride ldy).
+// Tensor-core modes (BF16, or F32 with DSX_GEMV_MMA=2; QA8 blocks of 32): one row runs
+// the one-token ring kernels; 2..16 rows the expert-major kernels (moe_rows.cu), which
+// stream each distinct routed expert once for all the rows routed to it and the shared
+// expert once for all rows, and give every row bit for bit the one-row result. F32 mode
+// (default): the CUDA-core kernels, per (row, slot), whose per-row arithmetic does not
+// depend on T either.
 // ws: workspace of moe_decode_ws_bytes() bytes. Its first T * S * I floats
 // (S = topk + 1 with a shared expert, else topk) hold the QA8'd hidden vectors h
 // ([T][S][I], slot order as in ids, shared expert last), for tests / debugging.
