@@ -10,6 +10,8 @@
 #include <atomic>
 #include <chrono>
 #include <filesystem>
+#include <functional>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -42,7 +44,7 @@ struct Served {
 // A tiny model with the golden V4.1 test tokenizer (vocabulary 129280), served with
 // `sessions` sessions of `ctx` tokens on an ephemeral loopback port.
 std::unique_ptr<Served> serve(int sessions = 4, int64_t ctx = 8192, const std::string& key = "",
-                              bool byte_prefix = true) {
+                              bool byte_prefix = true, std::function<void(const std::string&)> log = {}) {
   const std::string g = dsx_test::golden_dir();
   if (g.empty()) return nullptr;
   auto s = std::make_unique<Served>();
@@ -69,7 +71,8 @@ std::unique_ptr<Served> serve(int sessions = 4, int64_t ctx = 8192, const std::s
   so.port = 0;
   so.api_key = key;
   so.scheduler.max_sessions = sessions;
-  so.scheduler.log_requests = false;
+  so.scheduler.log_requests = static_cast<bool>(log);
+  so.scheduler.log = log;
   so.scheduler.keepalive_seconds = 0.2;
   so.scheduler.byte_prefix = byte_prefix;
   s->srv = std::make_unique<server::HttpServer>(*s->eng, *s->tok, so);
@@ -250,6 +253,53 @@ TEST(Server, SecondTurnReusesThePrefix) {
   // the shared prefix is everything before the user's text, nearly all of turn 1's prompt
   EXPECT_GE(cached2, p1 * 95 / 100 - 16);
   EXPECT_LT(t2 * 5, t1) << "time to first token on the second turn";
+}
+
+// The request log measures how often a client edits an earlier part of a conversation:
+// a request that continues a session says how long that session's previous prompt was
+// (prev_prompt) and how many of those tokens it shares (prev_common). A follow-up keeps
+// the whole previous prompt; an edited system prompt keeps only the tokens before it.
+TEST(Server, RequestLogMeasuresEarlierEdits) {
+  std::mutex mu;
+  std::vector<json> lines;
+  auto log = [&](const std::string& l) {
+    std::lock_guard<std::mutex> lk(mu);
+    if (!l.empty() && l[0] == '{') lines.push_back(json::parse(l));
+  };
+  {
+    SERVE(s, 1, 8192, "", true, log);
+    auto c = client(*s);
+    const std::string sys = "You are a careful assistant that answers about build systems.";
+    auto post = [&](const json& b) {
+      auto r = c.Post("/v1/chat/completions", b.dump(), "application/json");
+      EXPECT_TRUE(r && r->status == 200) << (r ? r->body : "no answer");
+      return r ? json::parse(r->body) : json();
+    };
+    json b = chat_body("What builds the project?", false, 4, sys);
+    const json a1 = post(b);
+    ASSERT_TRUE(a1.contains("choices"));
+    b["messages"].push_back({{"role", "assistant"}, {"content", a1["choices"][0]["message"]["content"]}});
+    b["messages"].push_back({{"role", "user"}, {"content", "And what runs the tests?"}});
+    post(b);
+    b["messages"][0]["content"] = "You are terse.";
+    post(b);
+  }
+  std::lock_guard<std::mutex> lk(mu);
+  ASSERT_EQ(lines.size(), 3u);
+  EXPECT_FALSE(lines[0].contains("prev_prompt")) << "a cold session continues nothing";
+  // the follow-up shares all of the first prompt (up to the session's prompt end: the
+  // last prompt token is fed by the first decoding step) ...
+  const int64_t p1 = lines[0]["tokens_in"];
+  ASSERT_TRUE(lines[1].contains("prev_prompt"));
+  EXPECT_EQ(lines[1]["prev_prompt"].get<int64_t>(), p1 - 1);
+  EXPECT_EQ(lines[1]["prev_common"], lines[1]["prev_prompt"]);
+  // ... the edited system prompt keeps only what precedes the edit, not the two user
+  // turns and the answer after it (more than 20 tokens)
+  const int64_t p2 = lines[1]["tokens_in"];
+  ASSERT_TRUE(lines[2].contains("prev_prompt"));
+  EXPECT_EQ(lines[2]["prev_prompt"].get<int64_t>(), p2 - 1);
+  EXPECT_LT(lines[2]["prev_common"].get<int64_t>() + 20, p2 - 1);
+  EXPECT_LE(lines[2]["tokens_cached"].get<int64_t>(), lines[2]["prev_common"].get<int64_t>());
 }
 
 // The client replays the model's answer as text; the server's tokenization of it differs

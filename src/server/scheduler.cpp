@@ -62,6 +62,9 @@ struct Scheduler::Active {
   size_t next_save = 0;
   int64_t restored = 0;
   double restore_seconds = 0;
+  // the session's previous prompt end and what of its tokens the prompt kept (the log's
+  // measure of how often clients edit earlier parts of a conversation); -1: none
+  int64_t prev_prompt = -1, prev_common = -1;
   bool in_tool_call = false;
   int64_t generated = 0, reasoning_tokens = 0;
   bool in_reasoning = false;
@@ -378,6 +381,10 @@ void Scheduler::begin_prefill(Active& a) {
   const int64_t goal = static_cast<int64_t>(p.size()) - 1;
   int64_t reused = 0;
   bool restored = false;
+  if (sl.prompt_end > 0) {
+    a.prev_prompt = sl.prompt_end;
+    a.prev_common = common_prefix(s.tokens(), p, goal);
+  }
   if (o_.cache && a.hit && a.hit->tokens > live_reuse(sl, p, goal)) {
     save_leaving(sl, common_prefix(s.tokens(), p, goal), SaveReason::Evict);
     for (int attempt = 0; a.hit && attempt < 4; ++attempt) {
@@ -567,6 +574,12 @@ void Scheduler::finish(Active& a, text::EndCause cause) {
                         {"decode_tok_s", dc > 0 ? a.generated / dc : 0.0},
                         {"finish", text::finish_reason_name(r.finish)}};
     if (a.restored > 0) j["restore_ms"] = static_cast<int64_t>(a.restore_seconds * 1000);
+    if (a.prev_prompt > 0) {
+      // the session it continued: its previous prompt's length and the tokens of it this
+      // prompt shares (less than all: an earlier part of the conversation changed)
+      j["prev_prompt"] = a.prev_prompt;
+      j["prev_common"] = std::min(a.prev_common, a.prev_prompt);
+    }
     log_line(j.dump());
   }
 }
