@@ -44,7 +44,7 @@ kv=${DSX_KV_DIR:-$(mktemp -d)/kv}
 start_server() {  # $1: log file
   # shellcheck disable=SC2086
   "$dsx" serve --synthetic v41-flash --layers "$layers" --tokenizer "$tokenizer" --precision bf16 \
-    --ctx 65536 --sessions 4 --port "$port" --kv-cache "$kv" --thinking off --quiet ${DSX_SERVE_ARGS:-} >"$1" 2>&1 &
+    --ctx "$restart_ctx" --sessions 4 --port "$port" --kv-cache "$kv" --thinking off --quiet ${DSX_SERVE_ARGS:-} >"$1" 2>&1 &
   pid=$!
   for _ in $(seq 1 240); do
     curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && return 0
@@ -55,10 +55,16 @@ start_server() {  # $1: log file
 }
 conv="$out/conversation.json"
 tokens=${DSX_RESTART_TOKENS:-32768}
+restart_ctx=$(( tokens + 16384 > 65536 ? tokens + 16384 : 65536 ))
 start_server "$out/serve_kv1.log" || exit 1
 python3 "$(dirname "$0")/../tools/serve_bench.py" --url "http://127.0.0.1:$port" --reuse-tokens "$tokens" \
   --max-tokens 32 --save-conversation "$conv" 2>&1 | tee -a "$out/serve_bench.txt"
 kill -TERM "$pid"; wait "$pid"
+# the restore reads from the disk, not from the page cache the saves left behind
+sync
+if ! { echo 3 >/proc/sys/vm/drop_caches; } 2>/dev/null; then
+  find "$kv" -type f -exec dd if={} iflag=nocache count=0 status=none \;
+fi
 start_server "$out/serve_kv2.log" || exit 1
 python3 "$(dirname "$0")/../tools/serve_bench.py" --url "http://127.0.0.1:$port" --max-tokens 32 \
   --continue-conversation "$conv" --json "$out/restart.json" 2>&1 | tee -a "$out/serve_bench.txt"

@@ -732,7 +732,11 @@ RestoreResult DiskCache::restore(const CacheHit& hit, Session& s) {
     struct stat sb;
     if (::fstat(fd.fd, &sb) != 0) fail("cannot stat: ", std::strerror(errno));
     if (sb.st_size != e->bytes) bad(cat("its size changed from ", e->bytes, " to ", sb.st_size, " bytes"));
+    // the kernel reads the whole file ahead, many requests in flight, while the restore
+    // below hashes and uploads what has arrived (one synchronous read at a time reached
+    // ~70 % of the disk's bandwidth on the H200 machine)
     ::posix_fadvise(fd.fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+    ::posix_fadvise(fd.fd, 0, 0, POSIX_FADV_WILLNEED);
     BufferedSource src(fd.fd, std::max<size_t>(opt_.io_buffer_bytes, 1 << 16), p);
     EntryHeader h = read_entry_header(src, static_cast<uint64_t>(sb.st_size));
     if (h.identity != identity_text_ || h.tokens != e->tokens) bad("its header changed since it was indexed");
