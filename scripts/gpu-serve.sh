@@ -7,7 +7,7 @@
 # second turn from the restored state; the disk's sequential read bandwidth beside it.
 #   bash scripts/gpu-serve.sh OUT_DIR DSX TOKENIZER_JSON [LAYERS]
 # Environment: DSX_SERVE_ARGS (extra `dsx serve` options), DSX_SERVE_BENCH_ARGS (extra
-# serve_bench.py options). The dsx given must have the HTTP server (a build without
+# serve_bench.py options), DSX_SERVE_SKIP_LOAD=1 (only the restart phase). The dsx given must have the HTTP server (a build without
 # DSX_STATIC_DEPS; its shared libraries on LD_LIBRARY_PATH where the machine lacks them).
 set -uo pipefail
 out=${1:?usage: gpu-serve.sh OUT_DIR DSX TOKENIZER_JSON [LAYERS]}
@@ -16,6 +16,8 @@ tokenizer=${3:?tokenizer.json}
 layers=${4:-8}
 port=${DSX_SERVE_PORT:-8093}
 mkdir -p "$out"
+rc=0
+if [ -z "${DSX_SERVE_SKIP_LOAD:-}" ]; then
 # shellcheck disable=SC2086
 "$dsx" serve --synthetic v41-flash --layers "$layers" --tokenizer "$tokenizer" --precision bf16 \
   --ctx 16384 --sessions 16 --port "$port" --no-kv-cache --thinking off --quiet ${DSX_SERVE_ARGS:-} \
@@ -38,6 +40,7 @@ kill -TERM "$pid"
 wait "$pid"
 echo "serve_bench exit $rc; server exit $?"
 tail -5 "$out/serve.log"
+fi
 
 # ---- the disk KV cache across a restart
 kv=${DSX_KV_DIR:-$(mktemp -d)/kv}
