@@ -472,6 +472,85 @@ TEST(DSparkDecoding, PrefixReuseAndRingHoles) {
   }
 }
 
+// The server's use of DSparkCycle: several sequences in ONE Engine::step, some verifying
+// their blocks (greedy oracle drafts wrong from a rotating row, and the model's own
+// drafts), one decoding plain rows beside them (with taps, keeping its rings whole),
+// every sequence's ids equal plain greedy decoding's and its session holds exactly its
+// committed tokens.
+TEST(DSparkDecoding, CyclesOfSeveralSequencesShareOneStep) {
+  NEED_MODEL();
+  const int V = static_cast<int>(F.eng->config().vocab_size), B = F.drafter->block_size();
+  const int64_t N = 64;
+  const std::vector<std::vector<int32_t>> prompts = {random_prompt(31, 12, V), random_prompt(32, 25, V),
+                                                     random_prompt(33, 5, V)};
+  std::vector<std::vector<int32_t>> refs;
+  for (const auto& p : prompts) refs.push_back(plain_greedy(*F.eng, p, N));
+  struct Seq {
+    std::unique_ptr<Session> s;
+    std::unique_ptr<DSparkContext> ctx;
+    std::unique_ptr<DSparkCycle> cy;
+    std::vector<int32_t> out;
+    int32_t anchor = 0, pick = -1;
+    bool plain = false;
+    std::vector<float> taps;
+  };
+  std::vector<Seq> q(prompts.size());
+  for (size_t i = 0; i < q.size(); ++i) {
+    Seq& x = q[i];
+    x.s = F.eng->new_session();
+    x.ctx = std::make_unique<DSparkContext>(*F.drafter);
+    DSparkOptions o;
+    if (i == 0) {
+      o.schedule.static_k = B;
+      o.draft_hook = oracle_hook(&refs[i], static_cast<int64_t>(prompts[i].size()), V,
+                                 [B](int64_t n) { return static_cast<int>((n * 5 + 1) % (B + 2)); });
+    }
+    x.cy = std::make_unique<DSparkCycle>(*F.drafter, o);
+    x.cy->start(SamplerOptions{});
+    x.plain = i == 2;
+    x.s->sync(prompts[i].data(), static_cast<int64_t>(prompts[i].size()) - 1);
+    x.ctx->align(x.s->tokens().data(), x.s->position());
+    x.anchor = prompts[i].back();
+    x.taps.resize(static_cast<size_t>(F.drafter->tap_width()));
+  }
+  int64_t steps = 0;
+  for (bool left = true; left; ++steps) {
+    Step st;
+    for (Seq& x : q) {
+      if (static_cast<int64_t>(x.out.size()) >= N) continue;
+      if (x.plain) {
+        st.feeds.push_back(Feed{x.s.get(), &x.anchor, 1, nullptr, x.taps.data(), &x.pick, nullptr});
+      } else {
+        x.cy->draft(*x.ctx, x.anchor, x.cy->max_drafts(*F.eng, N - static_cast<int64_t>(x.out.size())));
+        st.feeds.push_back(x.cy->verify_feed(*x.s));
+      }
+    }
+    F.eng->step(st);
+    left = false;
+    for (Seq& x : q) {
+      if (static_cast<int64_t>(x.out.size()) >= N) continue;
+      if (x.plain) {
+        x.ctx->observe(&x.anchor, x.taps.data(), 1);
+        x.out.push_back(x.pick);
+      } else {
+        x.cy->accept(*x.s, *x.ctx, x.out);
+      }
+      x.anchor = x.out.back();
+      ASSERT_EQ(x.ctx->end(), x.s->position());
+      left = left || static_cast<int64_t>(x.out.size()) < N;
+    }
+  }
+  for (size_t i = 0; i < q.size(); ++i) {
+    EXPECT_EQ(q[i].out, refs[i]) << "sequence " << i;
+    expect_state_is_of_tokens(*F.eng, *q[i].s,
+                              concat(prompts[i], std::vector<int32_t>(refs[i].begin(), refs[i].end() - 1)),
+                              cat("sequence ", i).c_str());
+  }
+  EXPECT_GT(q[0].cy->stats().accepted, 0);
+  EXPECT_EQ(q[2].ctx->context_rows(), F.drafter->config().window) << "the plain rows kept the rings whole";
+  EXPECT_LT(steps, 2 * N);
+}
+
 // The rings a run leaves equal those of observing the committed tokens' taps from scratch
 // (the drafter's state never holds a rejected row).
 TEST(DSparkDecoding, RingsHoldOnlyCommittedRows) {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cache/disk_cache.h"
+#include "cli/dspark_option.h"
 #include "cli/registry.h"
 #include "model/cost_model.h"
 #include "runtime/engine.h"
@@ -78,7 +79,11 @@ void usage() {
       "                         opens a DSML tool-call block, the calls are constrained to the request's\n"
       "                         tools and their parameter schemas)\n"
       "  --quiet                no request log lines\n"
-      "  -h, --help             this text\n");
+      "  -h, --help             this text\n"
+      "%s"
+      "                      (in the server: every decoding request drafts, and its block is verified in\n"
+      "                      the step shared with the others; requests under a constraint decode plain)\n",
+      kDSparkHelp);
 }
 
 // $XDG_CACHE_HOME/dsx/kv, else $HOME/.cache/dsx/kv; empty when neither is set.
@@ -91,10 +96,13 @@ std::string default_kv_dir() {
 }
 
 int cmd_serve(int argc, char** argv) {
-  Args a(argc, argv,
-         {"-m", "--host", "--port", "--api-key", "--ctx", "--sessions", "--backend", "--precision", "--threads",
-          "--model-id", "--effort", "--max-body", "--keepalive", "--thinking", "--max-output", "--kv-cache",
-          "--kv-cache-size", "--synthetic", "--layers", "--tokenizer"},
+  const std::vector<std::string> value_opts = {
+      "-m",          "--host",       "--port",      "--api-key",  "--ctx",       "--sessions",  "--backend",
+      "--precision", "--threads",    "--model-id",  "--effort",   "--max-body",  "--keepalive", "--thinking",
+      "--max-output", "--kv-cache",  "--kv-cache-size", "--synthetic", "--layers", "--tokenizer"};
+  std::vector<char*> rest;
+  const DSparkChoice dspark = take_dspark(argc, argv, value_opts, rest);
+  Args a(static_cast<int>(rest.size()), rest.data(), value_opts,
          {"--quiet", "--no-kv-cache", "--no-lazy-tool-grammar", "-h", "--help"});
   if (a.has("-h") || a.has("--help")) {
     usage();
@@ -158,6 +166,23 @@ int cmd_serve(int argc, char** argv) {
     eng = load_engine(dir, o);
   }
   warm_up(*eng);
+  // DSpark: the rule of dsx run (cli/dspark_option.h: on by default for the CPU engine
+  // when the model has stages); a synthetic model has none
+  DSparkSetup ds;
+  if (synthetic) {
+    if (dspark.mode != DSparkChoice::Mode::Default && dspark.mode != DSparkChoice::Mode::Off)
+      std::fprintf(stderr, "dsx serve: a synthetic model has no DSpark stages: plain decoding\n");
+  } else {
+    ds = setup_dspark(dspark, dir, *eng);
+  }
+  if (ds.strategy) {
+    so.scheduler.drafter = ds.drafter.get();
+    so.scheduler.dspark = ds.strategy->options();
+    std::fprintf(stderr, "dsx serve: DSpark %s (%d draft stages on %s, block %d)\n", ds.name.c_str(),
+                 ds.drafter->n_stages(), ds.drafter->backend_name().c_str(), ds.drafter->block_size());
+  } else {
+    std::fprintf(stderr, "dsx serve: plain decoding (DSpark off)\n");
+  }
   std::fprintf(stderr, "dsx serve: %s loaded in %.1f s; %d sessions of %lld tokens\n", eng->describe().c_str(),
                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
                so.scheduler.max_sessions, (long long)o.max_context);

@@ -1,6 +1,7 @@
-// `--dspark off|on|static K` of `dsx run` and `dsx generate`: the option taken out of
-// argv (its two-word form does not fit Args), and the decoding strategy it resolves to
-// for a model directory and an engine (runtime/dspark_decoding.h).
+// `--dspark off|on|static K` of `dsx run`, `dsx generate` and `dsx serve`: the option
+// taken out of argv (its two-word form does not fit Args), and the decoding strategy it
+// resolves to for a model directory and an engine (runtime/dspark_decoding.h; the server
+// takes its drafter and options: server/scheduler.h). The one place of the default rule.
 //
 // The drafter computes where the engine does (runtime/dspark_decoding.h load_drafter:
 // the CPU reference for a CPU engine, the CUDA drafter in the engine's precision for a

@@ -187,6 +187,12 @@ void DSparkContext::skip(const int32_t* ids, int64_t T) {
   d_->observe(*st_, nullptr, 0, end());  // (positions before end() not observed: holes)
 }
 
+int64_t DSparkContext::align(const int32_t* t, int64_t n) {
+  const int64_t kept = keep_common_prefix(t, n);
+  skip(t + kept, n - kept);
+  return kept;
+}
+
 // ---- stats --------------------------------------------------------------------------------------
 std::string DSparkStats::summary() const {
   char b[400];
@@ -204,17 +210,140 @@ std::string DSparkStats::summary() const {
   return s;
 }
 
-// ---- the strategy ----------------------------------------------------------------------------------
 namespace {
 constexpr int64_t kOnePieceTapBytes = int64_t{256} << 20;  // (host taps of a one-step prefill)
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 }  // namespace
 
+// ---- one cycle ---------------------------------------------------------------------------------
+DSparkCycle::DSparkCycle(const Drafter& drafter, DSparkOptions o) : d_(drafter), o_(std::move(o)) { reset_stats(); }
+
+void DSparkCycle::reset_stats() {
+  stats_ = DSparkStats{};
+  stats_.accepted_hist.assign(static_cast<size_t>(d_.block_size() + 1), 0);
+  stats_.verify_steps_by_rows.assign(static_cast<size_t>(d_.block_size() + 2), 0);
+  stats_.verify_seconds_by_rows.assign(static_cast<size_t>(d_.block_size() + 2), 0.0);
+}
+
+void DSparkCycle::start(const SamplerOptions& sampling) {
+  sampling_ = sampling;
+  rng_.seed(sampling.seed);
+}
+
+int DSparkCycle::max_drafts(const Engine& eng, int64_t limit) const {
+  return static_cast<int>(
+      std::max<int64_t>(0, std::min<int64_t>({d_.block_size(), limit - 1, eng.options().rollback_depth})));
+}
+
+int DSparkCycle::draft(DSparkContext& ctx, int32_t anchor, int kmax) {
+  const int64_t n = ctx.end(), V = d_.vocab_size();
+  const int B = d_.block_size();
+  const bool sampling = sampling_on();
+  kmax = std::min(kmax, B);
+  n_ = n;
+  rows_.assign(1, anchor);
+  k_ = 0;
+  point_ = true;
+  if (kmax < 1 || n < 2) return 0;
+  const Clock::time_point t0 = Clock::now();
+  const std::unique_ptr<DraftBlock> blk = d_.draft_block(ctx.state(), anchor, n);
+  DSparkDraft dr;
+  int rows = B;
+  if (sampling && o_.sampled_drafts && !o_.draft_hook) {
+    // the Markov walk with sampled drafts: row j's q_j from prev_j = d_j (§5.6)
+    point_ = false;
+    rows = kmax;
+    std::vector<int32_t> prev(static_cast<size_t>(B), anchor);
+    dr.tokens.assign(static_cast<size_t>(B), anchor);
+    dr.confidence_logits.assign(static_cast<size_t>(B), 0.0f);
+    q_.resize(static_cast<size_t>(kmax * V));
+    row_.resize(static_cast<size_t>(V));
+    std::uniform_real_distribution<double> U(0.0, 1.0);
+    for (int j = 0; j < kmax; ++j) {
+      float conf = 0;
+      d_.forced_row(*blk, j, prev[static_cast<size_t>(j)], row_.data(), &conf);
+      double* qj = q_.data() + j * V;
+      sampling_distribution(row_.data(), V, sampling_, qj);
+      const int32_t t = sample_from(qj, V, U(rng_));
+      dr.tokens[static_cast<size_t>(j)] = t;
+      dr.confidence_logits[static_cast<size_t>(j)] = conf;
+      if (j + 1 < B) prev[static_cast<size_t>(j + 1)] = t;
+    }
+  } else {
+    dr = d_.greedy(*blk, /*full=*/false);
+    if (o_.draft_hook) o_.draft_hook(n, dr);
+    DSX_CHECK(static_cast<int>(dr.tokens.size()) >= kmax && static_cast<int>(dr.confidence_logits.size()) >= kmax,
+              "DSpark: the draft hook left fewer than ", kmax, " drafts");
+  }
+  k_ = choose_k(o_.schedule, dr.confidence_logits.data(), rows, kmax);
+  for (int i = 0; i < k_; ++i) rows_.push_back(dr.tokens[static_cast<size_t>(i)]);
+  ++stats_.drafted;
+  stats_.draft_seconds += since(t0);
+  return k_;
+}
+
+Feed DSparkCycle::verify_feed(Session& s) {
+  DSX_CHECK(s.position() == n_, "DSpark: the session is at ", s.position(), ", the block's anchor at ", n_);
+  const int64_t R = static_cast<int64_t>(rows_.size()), V = d_.vocab_size();
+  taps_.resize(static_cast<size_t>(R * d_.tap_width()));
+  Feed f{&s, rows_.data(), R, nullptr, taps_.data(), nullptr, nullptr};
+  if (sampling_on()) {
+    logits_.resize(static_cast<size_t>(R * V));
+    f.logits = logits_.data();
+  } else {
+    picks_.resize(static_cast<size_t>(R));
+    f.picks = picks_.data();
+  }
+  verify_start_ = Clock::now();
+  return f;
+}
+
+int DSparkCycle::accept(Session& s, DSparkContext& ctx, std::vector<int32_t>& out) {
+  const int64_t n = n_, V = d_.vocab_size(), R = 1 + k_;
+  const int k = k_;
+  DSX_CHECK(s.position() == n + R && ctx.end() == n, "DSpark: accept after a verify of ", R, " rows at ", n,
+            " finds the session at ", s.position(), " and the context at ", ctx.end());
+  int j = 0;
+  int32_t y = -1;
+  if (!sampling_on()) {
+    while (j < k && rows_[static_cast<size_t>(j + 1)] == picks_[static_cast<size_t>(j)]) ++j;
+    y = picks_[static_cast<size_t>(j)];
+  } else {
+    p_.resize(static_cast<size_t>(R * V));
+    for (int64_t r = 0; r < R; ++r) sampling_distribution(logits_.data() + r * V, V, sampling_, p_.data() + r * V);
+    std::vector<double> u(static_cast<size_t>(k + 1));
+    std::uniform_real_distribution<double> U(0.0, 1.0);
+    for (double& x : u) x = U(rng_);
+    const SpeculativeResult sr =
+        speculative_block(p_.data(), point_ ? nullptr : q_.data(), rows_.data() + 1, k, V, u.data());
+    j = sr.accepted;
+    y = sr.tokens.back();
+  }
+  // commit: the session to the anchor and the accepted drafts, their taps to the rings
+  if (j < k) s.rollback(n + j + 1);
+  ctx.observe(rows_.data(), taps_.data(), j + 1);
+  for (int i = 1; i <= j; ++i) out.push_back(rows_[static_cast<size_t>(i)]);
+  out.push_back(y);
+  const double vs = since(verify_start_);
+  stats_.verify_seconds += vs;
+  if (static_cast<size_t>(R) < stats_.verify_steps_by_rows.size()) {
+    ++stats_.verify_steps_by_rows[static_cast<size_t>(R)];
+    stats_.verify_seconds_by_rows[static_cast<size_t>(R)] += vs;
+  }
+  ++stats_.cycles;
+  stats_.verified += k;
+  stats_.accepted += j;
+  stats_.verify_rows += R;
+  stats_.tokens += j + 1;
+  if (static_cast<size_t>(j) < stats_.accepted_hist.size()) ++stats_.accepted_hist[static_cast<size_t>(j)];
+  return j;
+}
+
+// ---- the strategy ----------------------------------------------------------------------------------
 DSparkDecoding::DSparkDecoding(const Drafter& drafter, DSparkOptions o, DSparkContext* ctx)
-    : d_(drafter), o_(std::move(o)) {
+    : d_(drafter), cycle_(drafter, std::move(o)) {
   set_context(ctx);
-  reset_stats();
 }
 
 void DSparkDecoding::set_context(DSparkContext* ctx) {
@@ -226,17 +355,7 @@ void DSparkDecoding::set_context(DSparkContext* ctx) {
   ctx_ = own_.get();
 }
 
-void DSparkDecoding::reset_stats() {
-  stats_ = DSparkStats{};
-  stats_.accepted_hist.assign(static_cast<size_t>(d_.block_size() + 1), 0);
-  stats_.verify_steps_by_rows.assign(static_cast<size_t>(d_.block_size() + 2), 0);
-  stats_.verify_seconds_by_rows.assign(static_cast<size_t>(d_.block_size() + 2), 0.0);
-}
-
-void DSparkDecoding::start(const SamplerOptions& sampling) {
-  sampling_ = sampling;
-  rng_.seed(sampling.seed);
-}
+void DSparkDecoding::start(const SamplerOptions& sampling) { cycle_.start(sampling); }
 
 SyncResult DSparkDecoding::prefill(Session& s, const int32_t* ids, int64_t n) {
   DSX_CHECK(s.engine().tap_width() == d_.tap_width(), "DSpark: the engine's taps are ", s.engine().tap_width(),
@@ -281,7 +400,7 @@ SyncResult DSparkDecoding::prefill(Session& s, const int32_t* ids, int64_t n) {
   ctx_->truncate(a);
   ctx_->skip(ids + ctx_->end(), a - ctx_->end());
   // the last rows with taps, in chunks
-  const int64_t chunk = std::max<int64_t>(o_.prefill_chunk, 1);
+  const int64_t chunk = std::max<int64_t>(cycle_.options().prefill_chunk, 1);
   for (int64_t q = a; q < n;) {
     const int64_t m = std::min(chunk, n - q);
     taps_.resize(static_cast<size_t>(m * TW));
@@ -299,111 +418,17 @@ void DSparkDecoding::align(Session& s) {
   const int64_t n = s.position();
   const std::vector<int32_t>& t = s.tokens();
   if (ctx_->end() == n && (n == 0 || ctx_->tokens().back() == t.back())) return;
-  ctx_->keep_common_prefix(t.data(), n);
-  ctx_->skip(t.data() + ctx_->end(), n - ctx_->end());
+  ctx_->align(t.data(), n);
 }
 
 void DSparkDecoding::next(Session& s, int32_t anchor, int64_t limit, std::vector<int32_t>& out) {
   align(s);
-  Engine& eng = s.engine();
-  const int64_t n = s.position(), V = d_.vocab_size(), TW = d_.tap_width();
-  const int B = d_.block_size();
-  const bool sampling = !(sampling_.temperature <= 0.0f);  // (as Sampler::feed_and_pick: NaN samples, and fails)
-  const int kmax = static_cast<int>(
-      std::min<int64_t>({B, limit - 1, std::max(eng.options().rollback_depth, 0)}));
-
-  // draft
-  rows_.assign(1, anchor);
-  int k = 0;
-  bool point = true;  // q a point mass on each draft (deterministic drafts)
-  if (kmax >= 1 && n >= 2) {
-    const Clock::time_point t0 = Clock::now();
-    const std::unique_ptr<DraftBlock> blk = d_.draft_block(ctx_->state(), anchor, n);
-    DSparkDraft dr;
-    int rows = B;
-    if (sampling && o_.sampled_drafts && !o_.draft_hook) {
-      // the Markov walk with sampled drafts: row j's q_j from prev_j = d_j (§5.6)
-      point = false;
-      rows = kmax;
-      std::vector<int32_t> prev(static_cast<size_t>(B), anchor);
-      dr.tokens.assign(static_cast<size_t>(B), anchor);
-      dr.confidence_logits.assign(static_cast<size_t>(B), 0.0f);
-      q_.resize(static_cast<size_t>(kmax * V));
-      row_.resize(static_cast<size_t>(V));
-      std::uniform_real_distribution<double> U(0.0, 1.0);
-      for (int j = 0; j < kmax; ++j) {
-        float conf = 0;
-        d_.forced_row(*blk, j, prev[static_cast<size_t>(j)], row_.data(), &conf);
-        double* qj = q_.data() + j * V;
-        sampling_distribution(row_.data(), V, sampling_, qj);
-        const int32_t t = sample_from(qj, V, U(rng_));
-        dr.tokens[static_cast<size_t>(j)] = t;
-        dr.confidence_logits[static_cast<size_t>(j)] = conf;
-        if (j + 1 < B) prev[static_cast<size_t>(j + 1)] = t;
-      }
-    } else {
-      dr = d_.greedy(*blk, /*full=*/false);
-      if (o_.draft_hook) o_.draft_hook(n, dr);
-      DSX_CHECK(static_cast<int>(dr.tokens.size()) >= kmax && static_cast<int>(dr.confidence_logits.size()) >= kmax,
-                "DSpark: the draft hook left fewer than ", kmax, " drafts");
-    }
-    k = choose_k(o_.schedule, dr.confidence_logits.data(), rows, kmax);
-    for (int i = 0; i < k; ++i) rows_.push_back(dr.tokens[static_cast<size_t>(i)]);
-    ++stats_.drafted;
-    stats_.draft_seconds += since(t0);
-  }
-
-  // verify: 1 + k rows in one step, with the taps of every row
-  const Clock::time_point t1 = Clock::now();
-  const int64_t R = 1 + k;
-  taps_.resize(static_cast<size_t>(R * TW));
+  cycle_.draft(*ctx_, anchor, cycle_.max_drafts(s.engine(), limit));
   Step st;
-  Feed f{&s, rows_.data(), R, nullptr, taps_.data(), nullptr, nullptr};
-  if (sampling) {
-    logits_.resize(static_cast<size_t>(R * V));
-    f.logits = logits_.data();
-    st.all_rows = true;
-  } else {
-    picks_.resize(static_cast<size_t>(R));
-    f.picks = picks_.data();
-  }
-  st.feeds.push_back(f);
-  eng.step(st);
-
-  // accept
-  int j = 0;
-  int32_t y = -1;
-  if (!sampling) {
-    while (j < k && rows_[static_cast<size_t>(j + 1)] == picks_[static_cast<size_t>(j)]) ++j;
-    y = picks_[static_cast<size_t>(j)];
-  } else {
-    p_.resize(static_cast<size_t>(R * V));
-    for (int64_t r = 0; r < R; ++r) sampling_distribution(logits_.data() + r * V, V, sampling_, p_.data() + r * V);
-    std::vector<double> u(static_cast<size_t>(k + 1));
-    std::uniform_real_distribution<double> U(0.0, 1.0);
-    for (double& x : u) x = U(rng_);
-    const SpeculativeResult sr = speculative_block(p_.data(), point ? nullptr : q_.data(), rows_.data() + 1, k, V, u.data());
-    j = sr.accepted;
-    y = sr.tokens.back();
-  }
-
-  // commit: the session to the anchor and the accepted drafts, their taps to the rings
-  if (j < k) s.rollback(n + j + 1);
-  ctx_->observe(rows_.data(), taps_.data(), j + 1);
-  for (int i = 1; i <= j; ++i) out.push_back(rows_[static_cast<size_t>(i)]);
-  out.push_back(y);
-  const double vs = since(t1);
-  stats_.verify_seconds += vs;
-  if (static_cast<size_t>(R) < stats_.verify_steps_by_rows.size()) {
-    ++stats_.verify_steps_by_rows[static_cast<size_t>(R)];
-    stats_.verify_seconds_by_rows[static_cast<size_t>(R)] += vs;
-  }
-  ++stats_.cycles;
-  stats_.verified += k;
-  stats_.accepted += j;
-  stats_.verify_rows += R;
-  stats_.tokens += j + 1;
-  if (static_cast<size_t>(j) < stats_.accepted_hist.size()) ++stats_.accepted_hist[static_cast<size_t>(j)];
+  st.feeds.push_back(cycle_.verify_feed(s));
+  st.all_rows = cycle_.needs_all_rows();
+  s.engine().step(st);
+  cycle_.accept(s, *ctx_, out);
 }
 
 // ---- drafter backends -----------------------------------------------------------------------

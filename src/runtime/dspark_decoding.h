@@ -37,6 +37,7 @@
 //
 // Thread safety: as the engine (one thread at a time).
 #pragma once
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -140,6 +141,9 @@ class DSparkContext {
   // (observe), or no taps (skip: holes).
   void observe(const int32_t* ids, const float* taps, int64_t T);
   void skip(const int32_t* ids, int64_t T);
+  // To a committed sequence tokens[0..n) (a session's): keeps the common prefix, the
+  // rest of the n positions become holes; returns the positions kept with their rows.
+  int64_t align(const int32_t* tokens, int64_t n);
   // Ring rows an anchor at end() sees (W of them when there is no hole).
   int64_t context_rows() const { return st_->context_rows(end()); }
   int64_t bytes() const { return st_->bytes() + static_cast<int64_t>(tokens_.capacity()) * 4; }
@@ -184,6 +188,66 @@ struct DSparkStats {
   std::string summary() const;  // one line for --stats
 };
 
+// One sequence's cycle (draft, verify, accept) in three calls, so that a caller can
+// verify the blocks of several sequences, and plain rows of others, in ONE Engine::step
+// (the server's scheduler); DSparkDecoding::next is these three calls around a step of
+// one feed. The one implementation of the drafting, the verify feed and the acceptance
+// rule (with its randomness, above) of both.
+//
+//   start(sampling)          the sampling options of a sequence, the generator seeded.
+//   draft(ctx, anchor, kmax) the block at the anchor, whose position is n = ctx.end()
+//                            (the session's position: ctx aligned to it); k <= kmax
+//                            drafts chosen by the schedule (none when kmax < 1 or n < 2,
+//                            C3). rows() = anchor, d_1 .. d_k. Returns k.
+//   verify_feed(s)           the Feed of rows() on s (at n): the taps of every row; the
+//                            picks at T = 0, the logits of every row at T > 0, in which
+//                            case the step needs Step::all_rows (needs_all_rows()).
+//   accept(s, ctx, out)      after the step: the acceptance rule (T = 0: a draft is
+//                            accepted iff it is the pick of the row before it; T > 0:
+//                            speculative_block); s back to n + j + 1, the taps of the
+//                            anchor and d_1 .. d_j observed into ctx; appends d_1 .. d_j
+//                            and the correction / bonus token to out; returns j.
+// A caller that keeps only a prefix t_1 .. t_m of the j + 1 tokens (a stop inside the
+// block) rolls s back to n + m itself and truncates ctx to it.
+class DSparkCycle {
+ public:
+  DSparkCycle(const Drafter& drafter, DSparkOptions o = {});
+  void start(const SamplerOptions& sampling);
+  // The most drafts a cycle may verify on an engine when at most `limit` tokens may be
+  // committed: min(block size, limit - 1, the engine's rollback depth), at least 0.
+  int max_drafts(const Engine& eng, int64_t limit) const;
+  int draft(DSparkContext& ctx, int32_t anchor, int kmax);
+  const std::vector<int32_t>& rows() const { return rows_; }
+  int64_t anchor_position() const { return n_; }
+  Feed verify_feed(Session& s);
+  bool needs_all_rows() const { return sampling_on(); }
+  int accept(Session& s, DSparkContext& ctx, std::vector<int32_t>& out);
+
+  const Drafter& drafter() const { return d_; }
+  const DSparkOptions& options() const { return o_; }
+  DSparkOptions& options() { return o_; }
+  const SamplerOptions& sampling() const { return sampling_; }
+  // Accumulated over cycles (start() does not clear them).
+  const DSparkStats& stats() const { return stats_; }
+  void reset_stats();
+
+ private:
+  bool sampling_on() const { return !(sampling_.temperature <= 0.0f); }  // (NaN samples, and fails)
+  const Drafter& d_;
+  DSparkOptions o_;
+  SamplerOptions sampling_;
+  std::mt19937_64 rng_;
+  DSparkStats stats_;
+  int64_t n_ = 0;      // the anchor's position
+  int k_ = 0;
+  bool point_ = true;  // q a point mass on each draft (deterministic drafts)
+  std::chrono::steady_clock::time_point verify_start_;
+  // working buffers
+  std::vector<int32_t> rows_, picks_;
+  std::vector<float> logits_, taps_, row_;
+  std::vector<double> p_, q_;
+};
+
 class DSparkDecoding final : public DecodingStrategy {
  public:
   // The drafter (and the context, when given) must outlive the strategy. Without a
@@ -196,25 +260,19 @@ class DSparkDecoding final : public DecodingStrategy {
   // The context the next calls use (a server's per-session one); null: the own one.
   void set_context(DSparkContext* ctx);
   DSparkContext& context() { return *ctx_; }
-  const DSparkOptions& options() const { return o_; }
-  DSparkOptions& options() { return o_; }
+  const DSparkOptions& options() const { return cycle_.options(); }
+  DSparkOptions& options() { return cycle_.options(); }
   // Accumulated over calls (start() does not clear them).
-  const DSparkStats& stats() const { return stats_; }
-  void reset_stats();
+  const DSparkStats& stats() const { return cycle_.stats(); }
+  void reset_stats() { cycle_.reset_stats(); }
 
  private:
   void align(Session& s);  // the context to s.tokens()
   const Drafter& d_;
-  DSparkOptions o_;
+  DSparkCycle cycle_;
   std::unique_ptr<DSparkContext> own_;
   DSparkContext* ctx_ = nullptr;
-  SamplerOptions sampling_;
-  std::mt19937_64 rng_;
-  DSparkStats stats_;
-  // working buffers
-  std::vector<int32_t> rows_, picks_;
-  std::vector<float> logits_, taps_, row_;
-  std::vector<double> p_, q_;
+  std::vector<float> taps_;  // (prefill)
 };
 
 // ---- which drafter computes for an engine -------------------------------------------------

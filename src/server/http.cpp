@@ -90,8 +90,27 @@ std::string HttpServer::metrics_text() const {
   line("dsx_generated_tokens_total", "counter", "tokens generated", static_cast<double>(s.generated_tokens));
   line("dsx_prefill_tokens_total", "counter", "prompt tokens computed", static_cast<double>(s.prefill_tokens));
   line("dsx_prefill_seconds_total", "counter", "time spent in prefill", s.prefill_seconds);
-  line("dsx_decode_steps_total", "counter", "decode steps (one row per decoding request)", static_cast<double>(s.decode_steps));
+  line("dsx_decode_steps_total", "counter",
+       "decode steps (every decoding request's rows in one step: one, or a DSpark block of 1 + k)",
+       static_cast<double>(s.decode_steps));
   line("dsx_decode_rows_total", "counter", "rows over the decode steps", static_cast<double>(s.decode_rows));
+  if (o_.scheduler.drafter) {
+    auto d = [](int64_t v) { return static_cast<double>(v); };
+    const double cy = static_cast<double>(s.dspark_cycles);
+    line("dsx_dspark_cycles_total", "counter", "DSpark cycles (one request's block verified: anchor and k drafts)",
+         d(s.dspark_cycles));
+    line("dsx_dspark_drafts_verified_total", "counter", "DSpark drafts verified (sum of k)", d(s.dspark_verified));
+    line("dsx_dspark_drafts_accepted_total", "counter", "DSpark drafts accepted", d(s.dspark_accepted));
+    line("dsx_dspark_tokens_total", "counter", "tokens DSpark cycles emitted (accepted drafts and the correction / bonus)",
+         d(s.dspark_tokens));
+    line("dsx_dspark_accepted_per_cycle", "gauge", "accepted drafts per DSpark cycle (since start)",
+         cy > 0 ? s.dspark_accepted / cy : 0.0);
+    line("dsx_dspark_tokens_per_cycle", "gauge", "tokens per DSpark cycle (since start)",
+         cy > 0 ? s.dspark_tokens / cy : 0.0);
+    line("dsx_dspark_mixed_steps_total", "counter",
+         "decode steps that verified DSpark blocks beside plain rows (constrained requests)",
+         d(s.dspark_mixed_steps));
+  }
   line("dsx_decode_step_seconds_total", "counter", "time spent in decode steps", s.decode_step_seconds);
   line("dsx_queue_depth", "gauge", "requests waiting for a session", static_cast<double>(s.queue_depth));
   line("dsx_active_requests", "gauge", "requests prefilling or decoding", static_cast<double>(s.active));

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -42,6 +43,8 @@ struct Scheduler::Slot {
   // restored from); the end of its last prefill (a checkpoint there), -1: none
   std::vector<int64_t> saved;
   int64_t prompt_end = -1;
+  // DSpark: the drafter's rings of this session's history (SchedulerOptions::drafter)
+  std::unique_ptr<DSparkContext> ctx;
   bool is_saved(int64_t p) const { return std::find(saved.begin(), saved.end(), p) != saved.end(); }
   // the history beyond p changed (went back to p)
   void forget_after(int64_t p) {
@@ -72,11 +75,21 @@ struct Scheduler::Active {
   std::unique_ptr<text::DsmlParser> parser;
   std::unique_ptr<Sampler> sampler;
   std::vector<float> logits;
+  // DSpark: this job's cycle (its own generator, seeded by its sampling seed), whether
+  // this step verifies its block, the tokens of the block, and its counters
+  std::unique_ptr<DSparkCycle> cycle;
+  bool block = false;
+  std::vector<int32_t> block_tokens;
+  int64_t dspark_cycles = 0, dspark_accepted = 0, dspark_tokens = 0;
   Clock::time_point admitted, prefill_done, last_keepalive;
 };
 
 Scheduler::Scheduler(Engine& eng, const text::Tokenizer& tok, SchedulerOptions o) : eng_(eng), tok_(tok), o_(o) {
   DSX_CHECK(o_.max_sessions >= 1, "the server needs at least one session");
+  if (o_.drafter)
+    DSX_CHECK(o_.drafter->tap_width() == eng_.tap_width() && o_.drafter->vocab_size() == eng_.config().vocab_size,
+              "DSpark: the drafter's taps (", o_.drafter->tap_width(), ") or vocabulary do not match the engine's (",
+              eng_.tap_width(), "): another model?");
   auto single = [&](const char* marker) {
     const std::vector<int32_t> ids = tok_.encode(marker, true);
     return ids.size() == 1 ? ids[0] : -1;
@@ -258,6 +271,11 @@ bool Scheduler::admit(std::unique_lock<std::mutex>& lk) {
     sl->hint = a->job->session_hint;
     a->parser = std::make_unique<text::DsmlParser>(a->job->parser);
     a->sampler = std::make_unique<Sampler>(a->job->sampling);
+    if (o_.drafter) {
+      if (!sl->ctx) sl->ctx = std::make_unique<DSparkContext>(*o_.drafter, eng_.options().rollback_depth);
+      a->cycle = std::make_unique<DSparkCycle>(*o_.drafter, o_.dspark);
+      a->cycle->start(a->job->sampling);
+    }
     a->in_reasoning = a->job->parser.thinking;
     a->admitted = a->last_keepalive = Clock::now();
     a->usage.prompt_tokens = static_cast<int64_t>(a->job->prompt.size());
@@ -427,6 +445,8 @@ void Scheduler::begin_prefill(Active& a) {
     }
     sl.forget_after(s.position());
   }
+  // the rings: what they hold of the kept prefix stays, the rest are holes
+  if (sl.ctx) sl.ctx->align(s.tokens().data(), s.position());
   a.usage.cached_tokens = reused;
   a.saves = save_points(p, s.position(), goal, reused < o_.kv.min_tokens);
 }
@@ -447,7 +467,13 @@ void Scheduler::prefill_piece(Active& a) {
   } else {
     int64_t next = std::min(goal, s.position() + o_.prefill_chunk);
     if (a.next_save < a.saves.size()) next = std::min(next, a.saves[a.next_save].first);
-    s.sync(p.data(), next);
+    // DSpark: the pieces that reach into the last W rows before the anchor with taps
+    if (sl.ctx && next > goal - o_.drafter->config().window) {
+      prefill_with_taps(sl, p.data(), next);
+    } else {
+      s.sync(p.data(), next);
+      if (sl.ctx) sl.ctx->align(s.tokens().data(), s.position());
+    }
   }
   while (a.next_save < a.saves.size() && a.saves[a.next_save].first <= s.position()) {
     if (a.saves[a.next_save].first == s.position()) save_state(sl, a.saves[a.next_save].second);
@@ -473,26 +499,73 @@ void Scheduler::prefill_piece(Active& a) {
 
 // Tokens a job may still generate: its max_tokens, and its session's capacity (the last
 // generated token is sampled, not fed); at 0 it ends with finish reason length.
-int64_t Scheduler::output_left(const Active& a) const {
-  return std::min<int64_t>(a.job->max_tokens - a.generated, a.slot->s->capacity() - 1 - a.slot->s->position());
+int64_t Scheduler::output_left(const Active& a) const { return output_left(a, a.slot->s->position()); }
+
+// (pos: the session's position as of the last token emitted; inside a DSpark block the
+// session may already be further)
+int64_t Scheduler::output_left(const Active& a, int64_t pos) const {
+  return std::min<int64_t>(a.job->max_tokens - a.generated, a.slot->s->capacity() - 1 - pos);
+}
+
+// A prefill piece up to `to` as Session::sync feeds it (one step per stretch up to the
+// next checkpoint: the same rows in the same passes as a plain prefill), with the taps
+// of its rows observed into the slot's rings.
+void Scheduler::prefill_with_taps(Slot& sl, const int32_t* ids, int64_t to) {
+  Session& s = *sl.s;
+  DSparkContext& ctx = *sl.ctx;
+  if (ctx.end() != s.position()) ctx.align(s.tokens().data(), s.position());
+  const int64_t every = eng_.options().checkpoint_every, TW = eng_.tap_width();
+  for (int64_t q = s.position(); q < to;) {
+    const std::vector<int64_t> cps = s.checkpoints();
+    const int64_t last = cps.empty() ? 0 : cps.back();
+    const int64_t end = every > 0 ? std::min(to, std::max(q + 1, last + every)) : to;
+    taps_.resize(static_cast<size_t>((end - q) * TW));
+    Step st;
+    st.feeds.push_back(Feed{&s, ids + q, end - q, nullptr, taps_.data(), nullptr, nullptr});
+    eng_.step(st);
+    ctx.observe(ids + q, taps_.data(), end - q);
+    q = end;
+  }
 }
 
 void Scheduler::decode_step(std::vector<Active*>& ds) {
-  const int64_t V = eng_.config().vocab_size;
+  const int64_t V = eng_.config().vocab_size, TW = o_.drafter ? eng_.tap_width() : 0;
+  const int64_t every = o_.cache ? o_.kv.continued_interval : 0;
   Step st;
   std::vector<int32_t> in(ds.size()), picks(ds.size(), -1);
+  std::vector<float> row_taps(ds.size() * static_cast<size_t>(TW));
+  int64_t rows = 0, blocks = 0, plain = 0;
   for (size_t i = 0; i < ds.size(); ++i) {
     Active& a = *ds[i];
+    Session& s = *a.slot->s;
     in[i] = a.anchor;
     const bool greedy = a.job->sampling.temperature <= 0.0f;
     Constraint* c = a.job->constraint.get();
     if (c && output_left(a) <= o_.wrap_up_reserve) c->wrap_up();  // (this step's token comes next)
     if (c && c->passive()) c = nullptr;  // (a lazy constraint before its trigger: decoded as usual)
+    DSparkContext* ctx = a.slot->ctx.get();
+    if (ctx && ctx->end() != s.position()) ctx->align(s.tokens().data(), s.position());
+    a.block = a.cycle && !c;
+    if (a.block) {
+      // the anchor and the drafts the schedule chooses (a block never steps over a
+      // continued-save position: the session lands on it)
+      int kmax = a.cycle->max_drafts(eng_, output_left(a));
+      if (every > 0) kmax = static_cast<int>(std::min<int64_t>(kmax, (s.position() / every + 1) * every - s.position() - 1));
+      a.cycle->draft(*ctx, a.anchor, kmax);
+      st.feeds.push_back(a.cycle->verify_feed(s));
+      if (a.cycle->needs_all_rows()) st.all_rows = true;
+      rows += static_cast<int64_t>(a.cycle->rows().size());
+      ++blocks;
+      continue;
+    }
     // a constrained job needs the logits on the host (or nothing, when its next token is forced)
     const bool want_logits = c ? c->needs_logits() : !greedy;
     if (want_logits) a.logits.resize(static_cast<size_t>(V));
-    st.feeds.push_back(Feed{a.slot->s.get(), &in[i], 1, want_logits ? a.logits.data() : nullptr, nullptr,
-                            !c && greedy ? &picks[i] : nullptr});
+    st.feeds.push_back(Feed{&s, &in[i], 1, want_logits ? a.logits.data() : nullptr,
+                            ctx ? row_taps.data() + i * static_cast<size_t>(TW) : nullptr,
+                            !c && greedy ? &picks[i] : nullptr, nullptr});
+    ++rows;
+    ++plain;
   }
   const auto t0 = Clock::now();
   eng_.step(st);
@@ -500,11 +573,18 @@ void Scheduler::decode_step(std::vector<Active*>& ds) {
   {
     std::lock_guard<std::mutex> lk(mu_);
     ++stats_.decode_steps;
-    stats_.decode_rows += static_cast<int64_t>(ds.size());
+    stats_.decode_rows += rows;
     stats_.decode_step_seconds += secs(t0, t1);
+    if (blocks > 0 && plain > 0) ++stats_.dspark_mixed_steps;
   }
   for (size_t i = 0; i < ds.size(); ++i) {
     Active& a = *ds[i];
+    if (a.block) {
+      commit_block(a);
+      continue;
+    }
+    // (a plain row of a DSpark slot: its taps keep the rings whole)
+    if (DSparkContext* ctx = a.slot->ctx.get()) ctx->observe(&in[i], row_taps.data() + i * static_cast<size_t>(TW), 1);
     int32_t t;
     Constraint* c = a.job->constraint.get();
     if (c && !c->passive()) {
@@ -517,34 +597,79 @@ void Scheduler::decode_step(std::vector<Active*>& ds) {
       t = picks[i] >= 0 ? picks[i] : a.sampler->sample(a.logits.data(), V);
       if (c) c->observe(t);
     }
-    a.anchor = t;
-    ++a.generated;
-    if (a.in_reasoning) ++a.reasoning_tokens;
-    if (t == eng_.config().eos_id) {
-      finish(a, text::EndCause::Eos);
-      continue;
-    }
-    std::vector<text::Event> ev = a.parser->push(tok_.decode_one(t));
-    for (const auto& e : ev) {
-      if (e.type == text::EventType::ReasoningEnd) a.in_reasoning = false;
-      if (e.type == text::EventType::ToolCallStart) a.in_tool_call = true;
-      if (e.type == text::EventType::ToolCallEnd) a.in_tool_call = false;
-    }
-    if (!ev.empty()) a.job->sink->events(ev);
-    if (a.parser->should_stop() || (a.job->constraint && a.job->constraint->done())) {
-      finish(a, text::EndCause::Eos);
-    } else if (output_left(a) <= 0) {
-      finish(a, text::EndCause::Length);
-    }
+    emit(a, t, a.slot->s->position());
   }
   // continued saves of growing sessions (not in the middle of a tool call, whose replay
   // is rendered from the parsed call)
-  const int64_t every = o_.kv.continued_interval;
-  if (o_.cache && every > 0)
+  if (every > 0)
     for (Active* a : ds) {
       const int64_t pos = a->slot->s->position();
       if (pos % every == 0 && !a->in_tool_call) save_state(*a->slot, SaveReason::Continued);
     }
+}
+
+// One generated token through the completion's path: the parser (events, stop strings,
+// a closed tool-call block), EOS, the constraint's end, the output budget. pos: the
+// session's position with the token before it fed. True when the job ended on it.
+bool Scheduler::emit(Active& a, int32_t t, int64_t pos) {
+  a.anchor = t;
+  ++a.generated;
+  if (a.in_reasoning) ++a.reasoning_tokens;
+  if (t == eng_.config().eos_id) {
+    finish(a, text::EndCause::Eos);
+    return true;
+  }
+  std::vector<text::Event> ev = a.parser->push(tok_.decode_one(t));
+  for (const auto& e : ev) {
+    if (e.type == text::EventType::ReasoningEnd) a.in_reasoning = false;
+    if (e.type == text::EventType::ToolCallStart) a.in_tool_call = true;
+    if (e.type == text::EventType::ToolCallEnd) a.in_tool_call = false;
+  }
+  if (!ev.empty()) a.job->sink->events(ev);
+  if (a.parser->should_stop() || (a.job->constraint && a.job->constraint->done())) {
+    finish(a, text::EndCause::Eos);
+    return true;
+  }
+  if (output_left(a, pos) <= 0) {
+    finish(a, text::EndCause::Length);
+    return true;
+  }
+  return false;
+}
+
+// After the step: a job's DSpark block accepted (DSparkCycle::accept: the session at
+// n + j + 1), its tokens emitted one by one. When the job ends on the m-th, or its lazy
+// tool grammar turns active on it (the next token is constrained, the rest of the block
+// was verified for free decoding), the session and the rings go back to n + m: they
+// hold exactly the emitted tokens but the last, the new anchor, as after plain steps.
+void Scheduler::commit_block(Active& a) {
+  Session& s = *a.slot->s;
+  DSparkContext& ctx = *a.slot->ctx;
+  const int64_t n = a.cycle->anchor_position();
+  a.block_tokens.clear();
+  const int j = a.cycle->accept(s, ctx, a.block_tokens);
+  // (counted first: the request's log line is written when it ends, inside the loop)
+  ++a.dspark_cycles;
+  a.dspark_accepted += j;
+  Constraint* c = a.job->constraint.get();
+  const int64_t T = static_cast<int64_t>(a.block_tokens.size());
+  int64_t m = 0;
+  while (m < T) {
+    const int32_t t = a.block_tokens[static_cast<size_t>(m++)];
+    ++a.dspark_tokens;
+    if (c) c->observe(t);
+    if (emit(a, t, n + m)) break;
+    if (c && !c->passive()) break;
+  }
+  if (m < T) {
+    s.rollback(n + m);
+    ctx.truncate(n + m);
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  ++stats_.dspark_cycles;
+  stats_.dspark_verified += static_cast<int64_t>(a.cycle->rows().size()) - 1;
+  stats_.dspark_accepted += j;
+  stats_.dspark_tokens += m;
 }
 
 void Scheduler::finish(Active& a, text::EndCause cause) {
@@ -574,6 +699,12 @@ void Scheduler::finish(Active& a, text::EndCause cause) {
                         {"decode_tok_s", dc > 0 ? a.generated / dc : 0.0},
                         {"finish", text::finish_reason_name(r.finish)}};
     if (a.restored > 0) j["restore_ms"] = static_cast<int64_t>(a.restore_seconds * 1000);
+    if (a.dspark_cycles > 0) {
+      const double cy = static_cast<double>(a.dspark_cycles);
+      j["dspark_cycles"] = a.dspark_cycles;
+      j["accepted_per_cycle"] = std::round(a.dspark_accepted / cy * 1000) / 1000;
+      j["tokens_per_cycle"] = std::round(a.dspark_tokens / cy * 1000) / 1000;
+    }
     if (a.prev_prompt > 0) {
       // the session it continued: its previous prompt's length and the tokens of it this
       // prompt shares (less than all: an earlier part of the conversation changed)

@@ -4,9 +4,31 @@
 // resident session whose history shares the longest prefix with its prompt (prefix
 // reuse: Session::sync keeps it, checkpoints serve edits further back), is prefilled in
 // chunks (other jobs keep decoding between the chunks; waiting clients get keep-alives),
-// then decodes together with every other decoding job: one Engine::step of one row per
-// job per token. A job ends on EOS, a closed tool-call block or a stop string (the
+// then decodes together with every other decoding job: one Engine::step per cycle over
+// all of them. A job ends on EOS, a closed tool-call block or a stop string (the
 // parser), max_tokens, a full context, or its client going away (Sink::cancelled).
+//
+// DSpark speculative decoding (SchedulerOptions::drafter; runtime/dspark_decoding.h):
+//   - each slot keeps a DSparkContext (the drafter's rings) next to its session across
+//     requests; prefix reuse keeps the common prefix, positions the session holds
+//     without taps (a restore from disk, a checkpoint replay, a byte-prefix rebase)
+//     are ring holes: lossless, only acceptance drops until the window refills. The
+//     prefill asks the taps of its pieces that reach into the last W prompt rows (the
+//     pieces are those of a plain prefill: the same numbers);
+//   - each decode step, every decoding job without an active constraint drafts at its
+//     anchor and contributes 1 + k rows (k by the schedule: DSparkCycle), the others one
+//     row (with its taps, so that the rings stay whole), all in ONE Engine::step; then
+//     per job the acceptance rule (T = 0 greedy, T > 0 exact speculative sampling with
+//     its own seeded generator), the rejected rows rolled back, and the accepted tokens
+//     emitted one by one through the plain path (parser, stop strings, EOS, max_tokens,
+//     the context): a job that ends inside the block, or whose lazy tool grammar turns
+//     active inside it, keeps exactly the tokens emitted so far and its session is
+//     rolled back to them (the rest of the block was drafted for free decoding);
+//   - a job under an active constraint (forced tool_choice, response_format, the lazy
+//     tool grammar once a call opened) decodes plain rows: the constraint changes the
+//     distribution the drafts were verified against. Lossless either way;
+//   - with a disk cache, a block never steps over the next continued-save position
+//     (k is capped so that the session can land on it).
 //
 // With a disk KV cache (SchedulerOptions::cache, docs/kv-cache.md), sessions outlive
 // the process and their eviction from memory:
@@ -44,6 +66,7 @@
 #include <vector>
 
 #include "cache/disk_cache.h"
+#include "runtime/dspark_decoding.h"
 #include "runtime/engine.h"
 #include "runtime/sampler.h"
 #include "server/api.h"
@@ -104,6 +127,11 @@ struct SchedulerOptions {
   std::string secret;
   // Log lines (request lines, kv-cache events); default: stderr.
   std::function<void(const std::string&)> log;
+  // DSpark speculative decoding: the model's drafter (not owned; outlives the scheduler;
+  // its tap width must be the engine's), or null: plain decoding. dspark: the schedule
+  // (cli/dspark_option.h: --dspark on / static K).
+  const Drafter* drafter = nullptr;
+  DSparkOptions dspark;
 };
 
 // The secret kept in `dir`/serve-secret (0600; created when missing or malformed).
@@ -116,6 +144,12 @@ struct SchedulerStats {
   int64_t decode_steps = 0;
   double decode_step_seconds = 0;   // total over the steps
   int64_t decode_rows = 0;          // rows over the steps (mean batch = rows / steps)
+  // DSpark: cycles (one job's verified block: anchor + k drafts), the drafts verified and
+  // accepted, the tokens the cycles emitted (accepted drafts and the correction / bonus,
+  // less the rest of a block that ended inside), steps that verified blocks beside plain
+  // rows of other jobs
+  int64_t dspark_cycles = 0, dspark_verified = 0, dspark_accepted = 0, dspark_tokens = 0;
+  int64_t dspark_mixed_steps = 0;
   int64_t prefill_tokens = 0;
   double prefill_seconds = 0;
   // the disk KV cache (the store's own counters: DiskCache::stats)
@@ -150,11 +184,15 @@ class Scheduler {
   void begin_prefill(Active& a);
   void prefill_piece(Active& a);
   void decode_step(std::vector<Active*>& ds);
+  bool emit(Active& a, int32_t t, int64_t pos);
+  void commit_block(Active& a);
+  void prefill_with_taps(Slot& sl, const int32_t* ids, int64_t to);
   void finish(Active& a, text::EndCause cause);
   void drop(Active& a, const char* why);
   Slot* pick_slot(const Job& j, int64_t disk_tokens);
   void rebase_on_live(Job& j);
   int64_t output_left(const Active& a) const;
+  int64_t output_left(const Active& a, int64_t pos) const;
   bool slot_available() const;
   int64_t live_reuse(const Slot& sl, const std::vector<int32_t>& prompt, int64_t goal) const;
   std::vector<std::pair<int64_t, SaveReason>> save_points(const std::vector<int32_t>& prompt, int64_t from,
@@ -175,6 +213,7 @@ class Scheduler {
   std::vector<std::unique_ptr<Active>> active_;
   SchedulerStats stats_;
   uint64_t clock_ = 0;
+  std::vector<float> taps_;  // (the engine thread's: prefill pieces with taps)
   std::thread worker_;
 };
 
