@@ -391,10 +391,12 @@ TEST(CudaGemv, GroupedWoATensorCore) {
       if (check_path) EXPECT_EQ(path, "mma-ring") << "T " << T;
     }
   }
-  // T = 5: the CUDA-core kernel, same activations
+  // 5..8 rows: the same kernel with two token passes; 9..16: two calls of at most 8
   Weight W = make_weight(WFormat::FP8_BLOCK, o.groups * 32, 256, rng, 32);
-  const std::string path = check_gemv_x(W, 5, DType::BF16, DType::BF16, wide_range_acts(5, o.groups * 256, rng), o);
-  if (check_path) EXPECT_EQ(path, "cuda-core");
+  for (int T : {5, 8, 12}) {
+    const std::string path = check_gemv_x(W, T, DType::BF16, DType::BF16, wide_range_acts(T, o.groups * 256, rng), o);
+    if (check_path) EXPECT_EQ(path, "mma-ring") << "T " << T;
+  }
 }
 
 // Special blocks on the same path: a NaN makes exactly its group's outputs NaN, an
@@ -932,7 +934,7 @@ TEST(CudaRouter, MatchesTwin) {
     run_router_case(384, 5120, 6, 2, true, xt, ro, rng, WFormat::BF16, ldx);
     // f32 gate
     run_router_case(384, 1024, 6, 3, true, xt, ro, rng, WFormat::F32);
-    // T > 8: the two-launch path
+    // T > 8: the fused kernel for rows 0..7 and for the rest
     run_router_case(384, 1024, 6, 12, true, xt, ro, rng);
   }
   cuda::RouterOpts r2;
@@ -972,6 +974,52 @@ TEST(CudaRouter, FusedMatchesTwoLaunchSelection) {
       two_launch_router(d, T, k, with_bias, ro, b);
       DSX_CUDA_CHECK(cudaDeviceSynchronize());
       check_router(d, T, k, with_bias, ro, b);
+    }
+  }
+}
+
+// Several rows in one call == each row alone, bit for bit: logits, ids and weights
+// (the fused kernel with the rows staged in shared memory; 9..16 rows: two launches).
+TEST(CudaRouter, RowsEqualOneRowBitwise) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(26);
+  cuda::RouterOpts ro;
+  struct C {
+    int64_t E, D;
+    int k;
+    WFormat g;
+  } cases[] = {{384, 5120, 6, WFormat::BF16}, {1000, 2048, 16, WFormat::BF16}, {384, 1024, 6, WFormat::F32}};
+  for (const C& c : cases) {
+    for (DType xt : {DType::BF16, DType::F32}) {
+      RouterData d = make_router_data(c.E, c.D, 16, xt, rng, c.g);
+      const size_t xb = cuda::dtype_size(xt);
+      for (int T : {2, 3, 5, 6, 8, 9, 12, 16}) {
+        SCOPED_TRACE(testing::Message() << "E " << c.E << " D " << c.D << " k " << c.k << " T " << T << " xt "
+                                        << (xt == DType::BF16 ? "bf16" : "f32"));
+        RouterOut all(c.E, T, c.k);
+        call_router(d, T, c.k, true, ro, all, nullptr);
+        std::vector<float> z1, w1;
+        std::vector<int32_t> i1;
+        for (int t = 0; t < T; ++t) {
+          RouterOut one(c.E, 1, c.k);
+          cuda::router(xt, static_cast<const uint8_t*>(d.dx.get()) + t * d.ldx * xb, d.ldx, 1, d.dG.q, d.db.as<float>(),
+                       c.k, ro, one.zp(), one.ids.as<int32_t>(), one.w.as<float>(), nullptr);
+          DSX_CUDA_CHECK(cudaDeviceSynchronize());
+          const auto z = dsx_test::download_vec<float>(one.z, static_cast<size_t>(c.E));
+          const auto w = dsx_test::download_vec<float>(one.w, static_cast<size_t>(c.k));
+          const auto i = dsx_test::download_vec<int32_t>(one.ids, static_cast<size_t>(c.k));
+          z1.insert(z1.end(), z.begin(), z.end());
+          w1.insert(w1.end(), w.begin(), w.end());
+          i1.insert(i1.end(), i.begin(), i.end());
+        }
+        DSX_CUDA_CHECK(cudaDeviceSynchronize());
+        const size_t nk = static_cast<size_t>(T * c.k);
+        EXPECT_EQ(dsx_test::count_bit_diff(dsx_test::download_vec<float>(all.z, static_cast<size_t>(T * c.E)), z1), 0u)
+            << "logits";
+        EXPECT_EQ(dsx_test::download_vec<int32_t>(all.ids, nk), i1) << "ids";
+        EXPECT_EQ(dsx_test::count_bit_diff(dsx_test::download_vec<float>(all.w, nk), w1), 0u) << "weights";
+        if (T == 6 || T == 12) check_router(d, T, c.k, true, ro, all);
+      }
     }
   }
 }
@@ -1117,6 +1165,145 @@ TEST(CudaRouter, TiesPreferLowerId) {
 // host argmax of the same output row: ties (a copy of the largest row placed before it), a
 // NaN row, a NaN at index 0, repeated calls (the workspace resets itself), the copy
 // destination in pinned host memory.
+// ---------------------------------------------------------------------------------
+// Several rows in one call == each row alone, bit for bit (DSpark verify and batched
+// decode compare a k-row step's rows with one-row steps). The calls below run T rows
+// at once and each row alone on the same buffers.
+
+namespace {
+
+// y of gemv for rows [0, T) of x in one call, and for each of them alone (the same opts).
+struct RowsRun {
+  std::vector<float> together, alone;
+  std::string path_together, path_alone;
+};
+RowsRun run_rows_and_alone(const DevMatrix& W, DType xt, DType yt, const DeviceBuffer& dx, int64_t ldx, int T,
+                           const cuda::GemvOpts& o) {
+  const int64_t N = W.q.rows;
+  const size_t xb = cuda::dtype_size(xt), yb = cuda::dtype_size(yt);
+  DeviceBuffer dy(static_cast<size_t>(T * N) * yb), d1(static_cast<size_t>(T * N) * yb);
+  RowsRun r;
+  cuda::gemv(W.q, xt, dx.get(), ldx, T, yt, dy.get(), N, o, nullptr);
+  r.path_together = cuda::gemv_last_path();
+  for (int t = 0; t < T; ++t) {
+    cuda::gemv(W.q, xt, static_cast<const uint8_t*>(dx.get()) + t * ldx * xb, ldx, 1, yt,
+               static_cast<uint8_t*>(d1.get()) + t * N * yb, N, o, nullptr);
+    if (t == 0) r.path_alone = cuda::gemv_last_path();
+  }
+  DSX_CUDA_CHECK(cudaDeviceSynchronize());
+  r.together = download_act(dy, static_cast<size_t>(T * N), yt);
+  r.alone = download_act(d1, static_cast<size_t>(T * N), yt);
+  return r;
+}
+
+// Float64 reference of a BF16-weight product: |gpu - ref| <= 2e-5 sum_k |x_k W_nk| (+ one
+// bf16 ulp for bf16 outputs), the bound of the f32 twin comparisons above.
+// w: the weight's values [N, K].
+void expect_bf16_product_f64(const std::vector<float>& w, int64_t N, int64_t K, const std::vector<float>& x, int T,
+                             const std::vector<float>& got, DType yt, const std::string& what) {
+  std::vector<float> ref(static_cast<size_t>(T * N)), abs(ref.size());
+  for (int t = 0; t < T; ++t)
+    for (int64_t n = 0; n < N; ++n) {
+      double s = 0, a = 0;
+      const float* wr = w.data() + n * K;
+      const float* xr = x.data() + t * K;
+      for (int64_t k = 0; k < K; ++k) {
+        const double p = static_cast<double>(wr[k]) * xr[k];
+        s += p;
+        a += std::fabs(p);
+      }
+      ref[static_cast<size_t>(t * N + n)] = static_cast<float>(s);
+      abs[static_cast<size_t>(t * N + n)] = static_cast<float>(a);
+    }
+  expect_close(got, ref, abs, kSumTol, yt == DType::BF16 ? kBf16Ulp : 0.0, what);
+}
+
+}  // namespace
+
+// 2..16 rows against a BF16 weight too large for the one-token streaming kernel (the
+// head): one weight stream for all rows (gemv_rows.cu), every row bit for bit the
+// one-row CUDA-core kernel's; the rows also against a float64 reference.
+TEST(CudaGemv, HeadRowsEqualOneRowBitwise) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(21);
+  const bool check_path = default_gemv_switches();
+  // (> 32 MB, and enough rows that the one-row kernel splits no K: 1024 or more blocks
+  // of 16 rows; N = 12289 and 16411 leave partial groups of 4 rows)
+  const Shape shapes[] = {{12289, 5120}, {16411, 2048}};
+  for (const Shape& s : shapes) {
+    twin::OwnedMatrix Wh = twin::random_matrix(WFormat::BF16, s.N, s.K, 32, rng);
+    DevMatrix W = upload_matrix(Wh.q);
+    std::vector<float> wv(static_cast<size_t>(s.N * s.K));
+    Wh.q.dequant_rows(0, s.N, wv.data());
+    for (DType xt : {DType::BF16, DType::F32}) {
+      const std::vector<float> x = twin::random_acts(16, s.K, rng, xt == DType::BF16);
+      DeviceBuffer dx = upload_act(x, xt);
+      for (DType yt : {DType::F32, DType::BF16}) {
+        for (int T = 2; T <= 16; ++T) {
+          SCOPED_TRACE(testing::Message() << "N " << s.N << " K " << s.K << " T " << T << " xt "
+                                          << (xt == DType::BF16 ? "bf16" : "f32") << " yt "
+                                          << (yt == DType::BF16 ? "bf16" : "f32"));
+          const RowsRun r = run_rows_and_alone(W, xt, yt, dx, s.K, T, {});
+          if (check_path) {
+            EXPECT_EQ(r.path_together, "rows");
+            EXPECT_EQ(r.path_alone, "cuda-core");
+          }
+          EXPECT_EQ(count_bit_diff(r.together, r.alone), 0u) << "rows differ from one-row calls";
+          if ((T == 5 || T == 16) && yt == DType::F32)
+            expect_bf16_product_f64(wv, s.N, s.K, x, T, r.together, yt, "head rows vs float64");
+        }
+      }
+    }
+  }
+}
+
+// The shared-ring FP8 kernel (BF16 mode) of 2..16 rows: one or two token passes per
+// launch (two launches from 9 rows), the one-token K split, every row bit for bit the
+// one-row call's; QA8 products and the grouped wo_a without QA8, the release's shapes
+// (the split of wo_b / wo_a changed with the staged rows before), a 128-tile weight
+// (the consumer with bound tests) and small odd ones; the rows also against the twin.
+TEST(CudaGemv, RingRowsEqualOneRowBitwise) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(22);
+  const bool check_path = default_gemv_switches();
+  struct C {
+    int64_t N, K;
+    int block, groups;
+    bool qa8;
+  } cases[] = {
+      {5120, 8192, 32, 1, true},   // wo_b
+      {1280, 5120, 32, 1, true},   // wq_a
+      {32768, 1280, 32, 1, true},  // wq_b
+      {8192, 4096, 32, 8, false},  // wo_a
+      {1024, 4096, 128, 1, true},  // V4 tiles
+      {48, 256, 32, 1, true},      {256, 96, 32, 8, false},
+  };
+  for (const C& c : cases) {
+    Weight W = make_weight(WFormat::FP8_BLOCK, c.N, c.K, rng, c.block);
+    cuda::GemvOpts o;
+    o.qa8 = c.qa8;
+    o.groups = c.groups;
+    const int64_t ldx = c.groups * c.K;
+    const std::vector<float> x = wide_range_acts(16, ldx, rng);
+    DeviceBuffer dx = upload_act(x, DType::BF16);
+    for (DType yt : {DType::BF16, DType::F32}) {
+      for (int T : {2, 3, 4, 5, 6, 7, 8, 9, 12, 16}) {
+        SCOPED_TRACE(testing::Message() << "N " << c.N << " K " << c.K << " block " << c.block << " groups "
+                                        << c.groups << " qa8 " << c.qa8 << " T " << T << " yt "
+                                        << (yt == DType::BF16 ? "bf16" : "f32"));
+        const RowsRun r = run_rows_and_alone(W.d, DType::BF16, yt, dx, ldx, T, o);
+        if (check_path) {
+          EXPECT_EQ(r.path_together, "mma-ring");
+          EXPECT_EQ(r.path_alone, "mma-ring");
+        }
+        EXPECT_EQ(count_bit_diff(r.together, r.alone), 0u) << "rows differ from one-row calls";
+        if (yt == DType::BF16 && (T == 6 || T == 12))
+          check_gemv_x(W, T, DType::BF16, DType::BF16, std::vector<float>(x.begin(), x.begin() + T * ldx), o);
+      }
+    }
+  }
+}
+
 TEST(CudaGemv, GreedyPick) {
   SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(17);

@@ -8,6 +8,7 @@
 #include "kernels/cuda/gemv_device.cuh"
 #include "kernels/cuda/gemv_ring_device.cuh"
 #include "kernels/cuda/gemv_launch.h"
+#include "kernels/cuda/gemv_rows.h"
 #include "kernels/cuda/gemv_stream.h"
 #include "kernels/cuda/signal_device.cuh"
 #include "util/error.h"
@@ -331,18 +332,26 @@ __global__ void __launch_bounds__(kThreads, R ? 1 : 2) gemv_mma_kernel(const Mma
 #pragma unroll
     for (int q = 0; q < P; ++q) acc[q][0] = acc[q][1] = 0.f;
     if constexpr (R) {
-      static_assert(P == 1, "the shared ring streams one token pass");
+      // P = 2 (FP8, 5..8 tokens): the several-pass consumer, the weights converted once
+      static_assert(P == 1 || F == WFormat::FP8_BLOCK, "the shared ring streams 2 token passes for FP8 only");
       // (spans without bound tests when K holds whole spans)
-      dev::with_ring_cons<F>(p.NB, p.W, [&](auto& cons) {
+      auto body = [&](auto& cons) {
         cons.set(p.W, row0, row_last, bs, sas, p.tstride, p.T, p.NB, s_zero, lane);
 #pragma unroll 2
         for (int k = 0; k < nspw; ++k) {
           dev::cp_async_wait<U - 1>();
-          cons.span_at(ring_lane + off_out, s_lo + k, acc[0], lane);
+          if constexpr (P == 1)
+            cons.span_at(ring_lane + off_out, s_lo + k, acc[0], lane);
+          else
+            cons.span_at(ring_lane + off_out, s_lo + k, acc, lane);
           ring_issue();  // refills the slot read one span ago (its data has been consumed)
           off_out = dev::next_ring_slot<U>(off_out);
         }
-      });
+      };
+      if constexpr (P == 1)
+        dev::with_ring_cons<F>(p.NB, p.W, body);
+      else
+        dev::with_rows_cons<F, P>(p.NB, p.W, body);
     } else {
       for (int k0 = 0; k0 < Pw; k0 += U) {
 #pragma unroll
@@ -444,9 +453,11 @@ struct MmaPlan {
 };
 
 // Launch plan of gemv_mma_kernel for G groups of N rows (row_bytes each) x K inputs.
+// force_ks > 0: that K split (the one-token plan's, so that each row of a several-token
+// product is summed as in a one-token call); the plan fails where its rounds do not fit.
 template <typename Kern>
 MmaPlan mma_plan_for(Kern kern, WFormat f, int64_t N, int K, int T, int64_t row_bytes, size_t ring_bytes = 0,
-                     int G = 1) {
+                     int G = 1, int force_ks = 0) {
   MmaPlan pl;
   pl.NB = K / 32;
   pl.nsp = static_cast<int>((row_bytes + 63) / 64);
@@ -467,9 +478,9 @@ MmaPlan mma_plan_for(Kern kern, WFormat f, int64_t N, int K, int T, int64_t row_
   // after the choice sent engram_wkv [25600, 6144] to the CUDA-core kernel: there split 8
   // (7 waves of 1/8 rows) ties with split 1 (1 wave of whole rows), wins the tie, and
   // its 7 rounds do not fit, so both tensor-core launches were refused.
-  int ks = 1;
+  int ks = force_ks > 0 ? force_ks : 1;
   double best = 1e300;
-  for (int k = 1; k <= kWarps; k *= 2) {
+  for (int k = 1; k <= kWarps && force_ks <= 0; k *= 2) {
     if (k > 1 && k * 2 > pl.nsp) break;
     const int64_t ntg = (pl.n_tiles * k + kWarps - 1) / kWarps;
     const int64_t waves = (ntg + resident - 1) / resident;  // == rounds of the balanced grid
@@ -511,10 +522,10 @@ struct MmaTry {
 };
 
 template <WFormat F, bool HW, int P, int U, bool R = false, bool QA = true>
-bool try_launch_mma(const MmaParams& base, int K, cudaStream_t stream, MmaTry& tr) {
+bool try_launch_mma(const MmaParams& base, int K, cudaStream_t stream, MmaTry& tr, int force_ks = 0) {
   auto kern = gemv_mma_kernel<F, HW, P, U, R, QA>;
   const size_t ring = R ? static_cast<size_t>(kWarps) * (U + 1) * 1024 : 0;
-  const MmaPlan pl = mma_plan_for(kern, F, base.N, K, base.T, base.W.row_bytes, ring, base.G);
+  const MmaPlan pl = mma_plan_for(kern, F, base.N, K, base.T, base.W.row_bytes, ring, base.G, force_ks);
   tr.pl = pl;
   tr.U = U;
   tr.ring = R;
@@ -537,6 +548,19 @@ bool try_launch_mma(const MmaParams& base, int K, cudaStream_t stream, MmaTry& t
   detail::launch_pdl(kern, dim3(static_cast<unsigned>(pl.grid)), dim3(kThreads), pl.smem, stream, p);
   tr.path = R ? "mma-ring" : "mma-register";
   return true;
+}
+
+// The K split of the one-token shared-ring FP8 kernel for this product (0: that kernel
+// would not run it). The shared ring runs 2..8 tokens with the same split (one or two
+// token passes), so that each row is summed exactly as a one-token call sums it:
+// occupancy falls with the staged tokens, and the free choice of the split moved with it
+// (wo_b: 4 at one token, 2 at four).
+template <bool QA>
+int one_token_ks(const MmaParams& p, int K) {
+  auto k1 = gemv_mma_kernel<WFormat::FP8_BLOCK, true, 1, 8, true, QA>;
+  const size_t ring = static_cast<size_t>(kWarps) * 9 * 1024;
+  const MmaPlan pl = mma_plan_for(k1, WFormat::FP8_BLOCK, p.N, K, 1, p.W.row_bytes, ring, p.G);
+  return pl.ok ? pl.KS : 0;
 }
 
 // The tensor-core path when it applies; false: use the CUDA-core kernel. qa8: QA8
@@ -573,10 +597,14 @@ bool gemv_mma(const QMatrix& W, DType xt, const void* x, int64_t ldx, int T, DTy
     // the shared ring; the activations are staged as f16 with power-of-two block scales
     // (exact for bf16, see noqa_block_exp in gemv_device.cuh), the rest is the QA8 kernel.
     if (!fp8 || xt != DType::BF16) return tr.no("no QA8: tensor cores only for FP8 weights x bf16 activations");
-    if (T > 4) return tr.no("no QA8: T > 4");
+    if (T > 8) return tr.no("no QA8: T > 8");
     if (o.groups > 1 && p.N % 16 != 0) return tr.no("no QA8: rows per group not a multiple of 16");
     p.prescale = dev::fp8_mma_prescale<true>();
-    return try_launch_mma<WFormat::FP8_BLOCK, true, 1, 8, true, false>(p, K, stream, tr);
+    if (T == 1) return try_launch_mma<WFormat::FP8_BLOCK, true, 1, 8, true, false>(p, K, stream, tr);
+    const int ks1 = one_token_ks<false>(p, K);
+    if (ks1 == 0) return tr.no("no QA8: the one-token kernel declines");
+    return T <= 4 ? try_launch_mma<WFormat::FP8_BLOCK, true, 1, 8, true, false>(p, K, stream, tr, ks1)
+                  : try_launch_mma<WFormat::FP8_BLOCK, true, 2, 8, true, false>(p, K, stream, tr, ks1);
   }
   // (one group: the register ring does not support groups; the shared ring would)
   if (!(fp8 || W.fmt == WFormat::MXFP4) || o.qblock != 32 || o.groups != 1)
@@ -587,13 +615,23 @@ bool gemv_mma(const QMatrix& W, DType xt, const void* x, int64_t ldx, int T, DTy
   // tensor-core loop compute-bound); the engine streams MXFP4 only through moe_decode.
   if (!fp8 && T <= 2 && mode < 2) return tr.no("MXFP4 at T <= 2");
   if (fp8 && W.block < 16) return tr.no("FP8 tile < 16");
-  if (T <= (fp8 ? 4 : 2)) {
-    // shared ring, one token pass: 8 spans in flight per warp (16 measured slower,
-    // docs/experiments.md); FP8 with the hardware e4m3 conversion. Falls through when it
+  if (T <= (fp8 ? 8 : 2)) {
+    // shared ring: 8 spans in flight per warp (16 measured slower, docs/experiments.md);
+    // FP8 with the hardware e4m3 conversion, one token pass up to 4 tokens, two up to 8,
+    // with the one-token K split from 2 tokens on (one_token_ks). Falls through when it
     // does not fit.
     p.prescale = fp8 ? dev::fp8_mma_prescale<true>() : dev::kMx4MmaPrescale;
-    const bool ok = fp8 ? try_launch_mma<WFormat::FP8_BLOCK, true, 1, 8, true>(p, K, stream, tr)
-                        : try_launch_mma<WFormat::MXFP4, false, 1, 8, true>(p, K, stream, tr);
+    bool ok = false;
+    if (!fp8) {
+      ok = try_launch_mma<WFormat::MXFP4, false, 1, 8, true>(p, K, stream, tr);
+    } else if (T == 1) {
+      ok = try_launch_mma<WFormat::FP8_BLOCK, true, 1, 8, true>(p, K, stream, tr);
+    } else if (const int ks1 = one_token_ks<true>(p, K); ks1 > 0) {
+      ok = T <= 4 ? try_launch_mma<WFormat::FP8_BLOCK, true, 1, 8, true>(p, K, stream, tr, ks1)
+                  : try_launch_mma<WFormat::FP8_BLOCK, true, 2, 8, true>(p, K, stream, tr, ks1);
+    } else {
+      tr.no("the one-token kernel declines");
+    }
     if (ok) return true;
     tr.ring_why = tr.why;
   }
@@ -809,6 +847,18 @@ void gemv(const QMatrix& W, DType xt, const void* x, int64_t ldx, int T, DType y
   check_args(W, o);
   const int G = o.groups;
   const bool qa8 = uses_qa8(W, o);
+  // 9..16 rows of an FP8 weight in BF16 mode: two calls of at most 8 rows on the shared
+  // ring (each streams the weight once; the CUDA-core kernel would take 4 passes of 4
+  // rows at these K) with each row summed as in a one-row call
+  if (T > 8 && T <= 16 && W.fmt == WFormat::FP8_BLOCK && xt == DType::BF16 && gemv_mma_mode() >= 1 &&
+      o.qblock == 32 && !o.norm_w && W.block >= 16) {
+    const size_t xb = dtype_size(xt), yb = dtype_size(yt);
+    GemvOpts a = o;
+    gemv(W, xt, x, ldx, 8, yt, y, ldy, a, stream);
+    gemv(W, xt, static_cast<const uint8_t*>(x) + 8 * ldx * xb, ldx, T - 8, yt, static_cast<uint8_t*>(y) + 8 * ldy * yb,
+         ldy, a, stream);
+    return;
+  }
   const int K = static_cast<int>(W.cols);
   const int64_t N = W.rows / G;
   DSX_CHECK(ldx >= static_cast<int64_t>(G) * K && ldy >= W.rows, "gemv ", W.name, ": bad row strides");
@@ -851,7 +901,16 @@ void gemv(const QMatrix& W, DType xt, const void* x, int64_t ldx, int T, DType y
     pick_after();
     return note_path(W, xt, yt, T, o, qa8, mt.path, &mt, nullptr);
   }
-  const Plan pl = make_plan(W.fmt, N, K, G, T, qa8, o.qblock, o.split_ws ? o.split_ws_bytes : 0, sm_count());
+  const size_t ws_bytes = o.split_ws ? o.split_ws_bytes : 0;
+  // 2..16 rows of a BF16 weight whose one-row product runs the CUDA-core kernel below
+  // without a K split (the head): the weight streamed once for all rows, each row's
+  // result bit for bit the one-row call's (gemv_rows.h)
+  if (W.fmt == WFormat::BF16 && G == 1 && T >= 2 && T <= kGemvRowsMax && !gemv_stream_may_take(W)) {
+    const Plan one = make_plan(W.fmt, N, K, G, 1, qa8, o.qblock, ws_bytes, sm_count());
+    if (one.KS == 1 && one.KB == 1 && gemv_rows(p.W, N, K, xt, x, ldx, T, yt, y, ldy, stream))
+      return note_path(W, xt, yt, T, o, qa8, "rows", &mt, nullptr);
+  }
+  const Plan pl = make_plan(W.fmt, N, K, G, T, qa8, o.qblock, ws_bytes, sm_count());
   note_path(W, xt, yt, T, o, qa8, "cuda-core", &mt, &pl);
   p.N = N;
   p.K = K;

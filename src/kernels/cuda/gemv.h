@@ -7,11 +7,14 @@
 // BF16 mode (xt == BF16) runs FP8_BLOCK (T <= 8) and MXFP4 (3 <= T <= 4) products with
 // QA8 (qblock 32, one group) on the tensor cores (gemv_device.cuh: exact f16 operands,
 // one mma chain per 32-element scale block, f32 accumulation), and FP8_BLOCK products
-// without QA8 (wo_a, grouped, T <= 4) too, with the bf16 activations staged as f16 times
+// without QA8 (wo_a, grouped, T <= 8) too, with the bf16 activations staged as f16 times
 // a power of two per 32-element block (exact within 2^31 of the block maximum;
 // gemv_device.cuh noqa_block_exp); everything else, and F32 mode, on the CUDA-core
-// kernel. Switches: gemv_launch.h (DSX_GEMV_MMA, DSX_PDL, ...); DSX_GEMV_TRACE=1 prints
-// every call's shape and kernel to stderr.
+// kernel. Several rows, where each row's result is that of a one-row call bit for bit:
+// FP8 on the shared ring (2..8 rows with the one-row K split; 9..16 rows as two calls of
+// at most 8), BF16 weights of the one-row CUDA-core kernel without a K split (the head;
+// 2..16 rows, gemv_rows.h). Switches: gemv_launch.h (DSX_GEMV_MMA, DSX_PDL, ...);
+// DSX_GEMV_TRACE=1 prints every call's shape and kernel to stderr.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -95,7 +98,8 @@ void gemv(const QMatrix& W, DType xt, const void* x, int64_t ldx, int T, DType y
           const GemvOpts& opts, cudaStream_t stream);
 
 // The kernel the last gemv() call of this thread ran: "stream", "mma-ring",
-// "mma-register" or "cuda-core" ("" before the first call). For tests and diagnostics.
+// "mma-register", "rows" or "cuda-core" ("" before the first call; 9..16 rows taken as
+// two calls: the second's). For tests and diagnostics.
 const char* gemv_last_path();
 
 // Workspace bytes that let gemv use its largest K split for this shape (0 if it never

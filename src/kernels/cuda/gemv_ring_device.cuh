@@ -1,4 +1,4 @@
-// Lean per-span code of the shared-ring tensor-core kernels (gemv.cu, moe.cu): the same
+// Lean per-span code of the shared-ring tensor-core kernels (gemv.cu, moe.cu, moe_rows.cu): the same
 // arithmetic as mma_slot_consume (gemv_device.cuh: f16 operands, one mma chain per
 // 32-element scale block per output column, f32 accumulation), one token pass (P = 1:
 // FP8 T <= 4, MXFP4 T <= 2), with every per-row and per-lane address computed once per
@@ -229,6 +229,155 @@ struct Fp4Cons {
   }
 };
 
+// Consumers of several token passes (gemv.cu: 5..8 rows of the shared-ring kernel;
+// moe_rows.cu): the arithmetic of Fp8Cons / Fp4Cons above per pass: pass pp holds rows
+// 4 pp .. 4 pp + 3 (FP8) or 2 pp, 2 pp + 1 (MXFP4) of the B staged with row stride
+// tstride; the weights are converted once per span for all passes. A row's value is the
+// same chain of operations as in the one-pass consumer (an mma output element depends
+// only on its own B column), so a row gives the same bits in either.
+template <bool Full, int P>
+struct Fp8ConsRows {
+  const uint8_t* srow;
+  BAddr ba[P];
+  int wshift, NB;
+
+  __device__ __forceinline__ void set(const WView& W, int64_t row0, int64_t row_last, const uint32_t* bs,
+                                      const float* sas, int tstride, int nt, int NBk, const uint4* bzero, int lane) {
+    const int g = lane >> 2, c = lane & 3;
+    const int64_t r0c = row0 < row_last ? row0 : row_last;
+    srow = W.s + (r0c >> W.wshift) * W.sc_cols;
+    wshift = W.wshift;
+    NB = NBk;
+#pragma unroll
+    for (int pp = 0; pp < P; ++pp) {
+      const int tb = 4 * pp + (g >> 1);
+      const uint32_t* bB = (((g & 1) == (c >> 1)) && tb < nt)
+                               ? bs + (static_cast<int64_t>(tb) * tstride + (c >> 1)) * 16 + (c & 1) * 8
+                               : nullptr;
+      const int tc = 4 * pp + c;
+      const float* saP = tc < nt ? sas + static_cast<int64_t>(tc) * tstride : nullptr;
+      ba[pp].set(bB, NBk - (c >> 1), saP, bzero);
+    }
+  }
+  __device__ __forceinline__ void span_at(uint32_t at, int s, float (&acc)[P][2], int) const {
+    const uint4 a = lds128_at(at), a8 = lds128_at(at + 512);
+    const int kb0 = 2 * s;
+    const bool v0 = Full || kb0 < NB, v1 = Full || kb0 + 1 < NB;
+    float w0, w1;
+    if constexpr (Full) {
+      e8m0_pair_f32(srow + kb0, w0, w1);
+    } else {
+      w0 = e8m0_f32_nb(v0 ? static_cast<uint32_t>(__ldg(srow + ((kb0 * 32) >> wshift))) : 0u);
+      w1 = e8m0_f32_nb(v1 ? static_cast<uint32_t>(__ldg(srow + (((kb0 + 1) * 32) >> wshift))) : 0u);
+    }
+    uint32_t Pg[4], Qg[4], P8[4], Q8[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      fp8_to_f16x2<true>(word_of(a, i), Pg[i], Qg[i]);
+      fp8_to_f16x2<true>(word_of(a8, i), P8[i], Q8[i]);
+    }
+#pragma unroll
+    for (int pp = 0; pp < P; ++pp) {
+      const uint4* bw = Full ? ba[pp].words_full(kb0) : ba[pp].words(kb0);
+      const uint4 b01 = bw[0], b23 = bw[1];
+      float d[4] = {0.f, 0.f, 0.f, 0.f};
+      mma_f16_16816(d, Pg[0], P8[0], Qg[0], Q8[0], b01.x, b01.y);
+      mma_f16_16816(d, Pg[1], P8[1], Qg[1], Q8[1], b01.z, b01.w);
+      mma_f16_16816(d, Pg[2], P8[2], Qg[2], Q8[2], b23.x, b23.y);
+      mma_f16_16816(d, Pg[3], P8[3], Qg[3], Q8[3], b23.z, b23.w);
+      float f0, f1;
+      if constexpr (Full) {
+        const float2 sa = ba[pp].scales2_full(kb0);
+        f0 = w0 * sa.x, f1 = w1 * sa.y;
+      } else {
+        f0 = w0 * ba[pp].scale(kb0, v0), f1 = w1 * ba[pp].scale(kb0 + 1, v1);
+      }
+      acc[pp][0] = fmaf(d[0], f0, acc[pp][0]);
+      acc[pp][0] = fmaf(d[1], f1, acc[pp][0]);
+      acc[pp][1] = fmaf(d[2], f0, acc[pp][1]);
+      acc[pp][1] = fmaf(d[3], f1, acc[pp][1]);
+    }
+  }
+};
+
+template <bool Full, int P>
+struct Fp4ConsRows {
+  const uint8_t* s0;
+  const uint8_t* s8;
+  BAddr ba[P];
+  int NB;
+
+  __device__ __forceinline__ void set(const WView& W, int64_t row0, int64_t row_last, const uint32_t* bs,
+                                      const float* sas, int tstride, int nt, int NBk, const uint4* bzero, int lane) {
+    const int g = lane >> 2, c = lane & 3;
+    const int64_t rg = row0 + g < row_last ? row0 + g : row_last;
+    const int64_t rg8 = row0 + g + 8 < row_last ? row0 + g + 8 : row_last;
+    s0 = W.s + rg * W.sc_cols + 2 * (c & 1);
+    s8 = W.s + rg8 * W.sc_cols + 2 * (c & 1);
+    NB = NBk;
+#pragma unroll
+    for (int pp = 0; pp < P; ++pp) {
+      const int tb = 2 * pp + (g >> 2);
+      const uint32_t* bB =
+          (((g & 3) == c) && tb < nt) ? bs + (static_cast<int64_t>(tb) * tstride + c) * 16 : nullptr;
+      const int t = 2 * pp + (c >> 1);
+      const float* saP = t < nt ? sas + static_cast<int64_t>(t) * tstride + 2 * (c & 1) : nullptr;
+      ba[pp].set(bB, NBk - c, saP, bzero);
+    }
+  }
+  __device__ __forceinline__ void span_at(uint32_t at, int s, float (&acc)[P][2], int lane) const {
+    const uint4 a = lds128_at(at), a8 = lds128_at(at + 512);
+    const int kb0 = 4 * s;
+    const int b0 = kb0 + 2 * (lane & 1);
+    const bool v0 = Full || b0 < NB, v1 = Full || b0 + 1 < NB;
+    const uint8_t* p0 = s0 + static_cast<uint32_t>(kb0);
+    const uint8_t* p8 = s8 + static_cast<uint32_t>(kb0);
+    float wg0, wg1, w80, w81;
+    if constexpr (Full) {
+      e8m0_pair_f32(p0, wg0, wg1);
+      e8m0_pair_f32(p8, w80, w81);
+    } else {
+      wg0 = e8m0_f32_nb(v0 ? static_cast<uint32_t>(__ldg(p0)) : 0u);
+      wg1 = e8m0_f32_nb(v1 ? static_cast<uint32_t>(__ldg(p0 + 1)) : 0u);
+      w80 = e8m0_f32_nb(v0 ? static_cast<uint32_t>(__ldg(p8)) : 0u);
+      w81 = e8m0_f32_nb(v1 ? static_cast<uint32_t>(__ldg(p8 + 1)) : 0u);
+    }
+    uint32_t R[4][4], R8[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      fp4_to_f16x2(word_of(a, j), R[j][0], R[j][1], R[j][2], R[j][3]);
+      fp4_to_f16x2(word_of(a8, j), R8[j][0], R8[j][1], R8[j][2], R8[j][3]);
+    }
+#pragma unroll
+    for (int pp = 0; pp < P; ++pp) {
+      const uint4* bw = Full ? ba[pp].words_full(kb0) : ba[pp].words(kb0);
+      uint4 bq[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) bq[j] = bw[j];
+      float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        mma_f16_16816(d, R[j][0], R8[j][0], R[j][2], R8[j][2], bq[j].x, bq[j].y);
+        mma_f16_16816(d, R[j][1], R8[j][1], R[j][3], R8[j][3], bq[j].z, bq[j].w);
+      }
+      float sa0, sa1;
+      if constexpr (Full) {
+        const float2 sa = ba[pp].scales2_full(kb0);
+        sa0 = sa.x, sa1 = sa.y;
+      } else {
+        sa0 = ba[pp].scale(kb0, v0), sa1 = ba[pp].scale(kb0 + 1, v1);
+      }
+      acc[pp][0] = fmaf(d[0], wg0 * sa0, acc[pp][0]);
+      acc[pp][0] = fmaf(d[1], wg1 * sa1, acc[pp][0]);
+      acc[pp][1] = fmaf(d[2], w80 * sa0, acc[pp][1]);
+      acc[pp][1] = fmaf(d[3], w81 * sa1, acc[pp][1]);
+    }
+  }
+};
+
+template <WFormat F, bool Full, int P>
+using RowsCons = std::conditional_t<F == WFormat::FP8_BLOCK, Fp8ConsRows<Full, P>, Fp4ConsRows<Full, P>>;
+
 // The consumer of format F; Full: without bound tests (K % 64 == 0 for FP8, % 128 for MXFP4).
 template <WFormat F, bool Full>
 using RingCons = std::conditional_t<F == WFormat::FP8_BLOCK, Fp8Cons<Full>, Fp4Cons<Full>>;
@@ -243,6 +392,18 @@ __device__ __forceinline__ void with_ring_cons(int NB, const WView& W, Fn&& f) {
     f(cons);
   } else {
     RingCons<F, false> cons;
+    f(cons);
+  }
+}
+
+// The same for the several-pass consumers (RowsCons<F, Full, P>).
+template <WFormat F, int P, typename Fn>
+__device__ __forceinline__ void with_rows_cons(int NB, const WView& W, Fn&& f) {
+  if (NB % (F == WFormat::FP8_BLOCK ? 2 : 4) == 0 && (F != WFormat::FP8_BLOCK || W.wshift == 5)) {
+    RowsCons<F, true, P> cons;
+    f(cons);
+  } else {
+    RowsCons<F, false, P> cons;
     f(cons);
   }
 }

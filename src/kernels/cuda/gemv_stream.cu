@@ -226,11 +226,21 @@ int gemv_stream_mode() {
   return e < 0 ? 2 : (e != 0 ? 1 : 0);
 }
 
+namespace {
+constexpr int64_t kAutoMaxBytes = int64_t{32} << 20;  // auto mode: BF16 weights up to this size
+}
+
+bool gemv_stream_may_take(const QMatrix& W) {
+  const int mode = gemv_stream_mode();
+  if (mode == 0 || W.fmt == WFormat::F32) return false;
+  return mode == 1 || (W.fmt == WFormat::BF16 && W.rows * W.cols * 2 <= kAutoMaxBytes);
+}
+
 bool gemv_stream(const QMatrix& W, const dev::WView& wv, DType xt, const void* x, int64_t ldx, int T, DType yt,
                  void* y, int64_t ldy, const GemvOpts& o, bool qa8, cudaStream_t stream) {
   const int mode = gemv_stream_mode();
   if (mode == 0 || T != 1) return false;
-  if (mode == 2 && (W.fmt != WFormat::BF16 || W.rows * W.cols * 2 > (int64_t{32} << 20))) return false;
+  if (mode == 2 && (W.fmt != WFormat::BF16 || W.rows * W.cols * 2 > kAutoMaxBytes)) return false;
   if (W.fmt == WFormat::FP8_BLOCK && W.block < 16) return false;
   StreamParams p{};
   p.W = wv;

@@ -164,152 +164,8 @@ __global__ void __launch_bounds__(256) moe_rows_plan_kernel(const PlanParams p) 
   }
 }
 
-// ---- ring consumers of several rows ------------------------------------------------
-// The arithmetic of dev::Fp8Cons / dev::Fp4Cons (gemv_ring_device.cuh) per pass: pass pp
-// holds rows 4 pp .. 4 pp + 3 (FP8) or 2 pp, 2 pp + 1 (MXFP4) of the B staged with row
-// stride tstride; the weights are converted once per span for all passes.
-template <bool Full, int P>
-struct Fp8ConsRows {
-  const uint8_t* srow;
-  dev::BAddr ba[P];
-  int wshift, NB;
-
-  __device__ __forceinline__ void set(const dev::WView& W, int64_t row0, int64_t row_last, const uint32_t* bs,
-                                      const float* sas, int tstride, int nt, int NBk, const uint4* bzero, int lane) {
-    const int g = lane >> 2, c = lane & 3;
-    const int64_t r0c = row0 < row_last ? row0 : row_last;
-    srow = W.s + (r0c >> W.wshift) * W.sc_cols;
-    wshift = W.wshift;
-    NB = NBk;
-#pragma unroll
-    for (int pp = 0; pp < P; ++pp) {
-      const int tb = 4 * pp + (g >> 1);
-      const uint32_t* bB = (((g & 1) == (c >> 1)) && tb < nt)
-                               ? bs + (static_cast<int64_t>(tb) * tstride + (c >> 1)) * 16 + (c & 1) * 8
-                               : nullptr;
-      const int tc = 4 * pp + c;
-      const float* saP = tc < nt ? sas + static_cast<int64_t>(tc) * tstride : nullptr;
-      ba[pp].set(bB, NBk - (c >> 1), saP, bzero);
-    }
-  }
-  __device__ __forceinline__ void span_at(uint32_t at, int s, float (&acc)[P][2], int) const {
-    const uint4 a = dev::lds128_at(at), a8 = dev::lds128_at(at + 512);
-    const int kb0 = 2 * s;
-    const bool v0 = Full || kb0 < NB, v1 = Full || kb0 + 1 < NB;
-    float w0, w1;
-    if constexpr (Full) {
-      dev::e8m0_pair_f32(srow + kb0, w0, w1);
-    } else {
-      w0 = dev::e8m0_f32_nb(v0 ? static_cast<uint32_t>(__ldg(srow + ((kb0 * 32) >> wshift))) : 0u);
-      w1 = dev::e8m0_f32_nb(v1 ? static_cast<uint32_t>(__ldg(srow + (((kb0 + 1) * 32) >> wshift))) : 0u);
-    }
-    uint32_t Pg[4], Qg[4], P8[4], Q8[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      dev::fp8_to_f16x2<true>(dev::word_of(a, i), Pg[i], Qg[i]);
-      dev::fp8_to_f16x2<true>(dev::word_of(a8, i), P8[i], Q8[i]);
-    }
-#pragma unroll
-    for (int pp = 0; pp < P; ++pp) {
-      const uint4* bw = Full ? ba[pp].words_full(kb0) : ba[pp].words(kb0);
-      const uint4 b01 = bw[0], b23 = bw[1];
-      float d[4] = {0.f, 0.f, 0.f, 0.f};
-      dev::mma_f16_16816(d, Pg[0], P8[0], Qg[0], Q8[0], b01.x, b01.y);
-      dev::mma_f16_16816(d, Pg[1], P8[1], Qg[1], Q8[1], b01.z, b01.w);
-      dev::mma_f16_16816(d, Pg[2], P8[2], Qg[2], Q8[2], b23.x, b23.y);
-      dev::mma_f16_16816(d, Pg[3], P8[3], Qg[3], Q8[3], b23.z, b23.w);
-      float f0, f1;
-      if constexpr (Full) {
-        const float2 sa = ba[pp].scales2_full(kb0);
-        f0 = w0 * sa.x, f1 = w1 * sa.y;
-      } else {
-        f0 = w0 * ba[pp].scale(kb0, v0), f1 = w1 * ba[pp].scale(kb0 + 1, v1);
-      }
-      acc[pp][0] = fmaf(d[0], f0, acc[pp][0]);
-      acc[pp][0] = fmaf(d[1], f1, acc[pp][0]);
-      acc[pp][1] = fmaf(d[2], f0, acc[pp][1]);
-      acc[pp][1] = fmaf(d[3], f1, acc[pp][1]);
-    }
-  }
-};
-
-template <bool Full, int P>
-struct Fp4ConsRows {
-  const uint8_t* s0;
-  const uint8_t* s8;
-  dev::BAddr ba[P];
-  int NB;
-
-  __device__ __forceinline__ void set(const dev::WView& W, int64_t row0, int64_t row_last, const uint32_t* bs,
-                                      const float* sas, int tstride, int nt, int NBk, const uint4* bzero, int lane) {
-    const int g = lane >> 2, c = lane & 3;
-    const int64_t rg = row0 + g < row_last ? row0 + g : row_last;
-    const int64_t rg8 = row0 + g + 8 < row_last ? row0 + g + 8 : row_last;
-    s0 = W.s + rg * W.sc_cols + 2 * (c & 1);
-    s8 = W.s + rg8 * W.sc_cols + 2 * (c & 1);
-    NB = NBk;
-#pragma unroll
-    for (int pp = 0; pp < P; ++pp) {
-      const int tb = 2 * pp + (g >> 2);
-      const uint32_t* bB =
-          (((g & 3) == c) && tb < nt) ? bs + (static_cast<int64_t>(tb) * tstride + c) * 16 : nullptr;
-      const int t = 2 * pp + (c >> 1);
-      const float* saP = t < nt ? sas + static_cast<int64_t>(t) * tstride + 2 * (c & 1) : nullptr;
-      ba[pp].set(bB, NBk - c, saP, bzero);
-    }
-  }
-  __device__ __forceinline__ void span_at(uint32_t at, int s, float (&acc)[P][2], int lane) const {
-    const uint4 a = dev::lds128_at(at), a8 = dev::lds128_at(at + 512);
-    const int kb0 = 4 * s;
-    const int b0 = kb0 + 2 * (lane & 1);
-    const bool v0 = Full || b0 < NB, v1 = Full || b0 + 1 < NB;
-    const uint8_t* p0 = s0 + static_cast<uint32_t>(kb0);
-    const uint8_t* p8 = s8 + static_cast<uint32_t>(kb0);
-    float wg0, wg1, w80, w81;
-    if constexpr (Full) {
-      dev::e8m0_pair_f32(p0, wg0, wg1);
-      dev::e8m0_pair_f32(p8, w80, w81);
-    } else {
-      wg0 = dev::e8m0_f32_nb(v0 ? static_cast<uint32_t>(__ldg(p0)) : 0u);
-      wg1 = dev::e8m0_f32_nb(v1 ? static_cast<uint32_t>(__ldg(p0 + 1)) : 0u);
-      w80 = dev::e8m0_f32_nb(v0 ? static_cast<uint32_t>(__ldg(p8)) : 0u);
-      w81 = dev::e8m0_f32_nb(v1 ? static_cast<uint32_t>(__ldg(p8 + 1)) : 0u);
-    }
-    uint32_t R[4][4], R8[4][4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      dev::fp4_to_f16x2(dev::word_of(a, j), R[j][0], R[j][1], R[j][2], R[j][3]);
-      dev::fp4_to_f16x2(dev::word_of(a8, j), R8[j][0], R8[j][1], R8[j][2], R8[j][3]);
-    }
-#pragma unroll
-    for (int pp = 0; pp < P; ++pp) {
-      const uint4* bw = Full ? ba[pp].words_full(kb0) : ba[pp].words(kb0);
-      uint4 bq[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) bq[j] = bw[j];
-      float d[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        dev::mma_f16_16816(d, R[j][0], R8[j][0], R[j][2], R8[j][2], bq[j].x, bq[j].y);
-        dev::mma_f16_16816(d, R[j][1], R8[j][1], R[j][3], R8[j][3], bq[j].z, bq[j].w);
-      }
-      float sa0, sa1;
-      if constexpr (Full) {
-        const float2 sa = ba[pp].scales2_full(kb0);
-        sa0 = sa.x, sa1 = sa.y;
-      } else {
-        sa0 = ba[pp].scale(kb0, v0), sa1 = ba[pp].scale(kb0 + 1, v1);
-      }
-      acc[pp][0] = fmaf(d[0], wg0 * sa0, acc[pp][0]);
-      acc[pp][0] = fmaf(d[1], wg1 * sa1, acc[pp][0]);
-      acc[pp][1] = fmaf(d[2], w80 * sa0, acc[pp][1]);
-      acc[pp][1] = fmaf(d[3], w81 * sa1, acc[pp][1]);
-    }
-  }
-};
-
-template <WFormat F, bool Full, int P>
-using RowsCons = std::conditional_t<F == WFormat::FP8_BLOCK, Fp8ConsRows<Full, P>, Fp4ConsRows<Full, P>>;
+// ---- ring consumers of several rows: dev::RowsCons (gemv_ring_device.cuh) ----------
+using dev::RowsCons;
 
 // acc[pp] (pp < P) = the next piece q of the stream against nt staged rows; the
 // consumer without bound tests where dev::with_ring_cons picks it.
@@ -416,7 +272,11 @@ __host__ __device__ inline void quarter_blocks(int nsp, int bpsp, int NB, int q,
 __global__ void __launch_bounds__(kThreads, 2) moe_rows_up_kernel(const RowsUpParams p) {
   extern __shared__ __align__(128) uint4 smem_mma[];
   __shared__ uint4 s_zero[4];
-  __shared__ int s_cnt[kMaxSets], s_off[kMaxSets], s_exp[kMaxSets], s_ps[kMaxSets + 1];
+  __shared__ int s_cnt[kMaxSets], s_off[kMaxSets], s_ps[kMaxSets + 1];
+  // the routed sets' matrices (w1, its scales, w3, its scales): a piece's view comes from
+  // shared memory, not from a dependent load of the pointer tables at every piece (which
+  // held up the warp's next copies and its next piece by a round trip each)
+  __shared__ const uint8_t* s_w[4][kMaxSets];
   if (threadIdx.x < 4) s_zero[threadIdx.x] = make_uint4(0, 0, 0, 0);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   uint4* ring = smem_mma + warp * (kRU + 1) * 64;
@@ -429,7 +289,13 @@ __global__ void __launch_bounds__(kThreads, 2) moe_rows_up_kernel(const RowsUpPa
   for (int s = threadIdx.x; s < nsets; s += blockDim.x) {
     s_cnt[s] = P.set_cnt[s];
     s_off[s] = P.set_off[s];
-    s_exp[s] = P.set_expert[s];
+  }
+  for (int s = threadIdx.x; s < nd; s += blockDim.x) {
+    const int e = P.set_expert[s];
+    s_w[0][s] = p.w1[e];
+    s_w[1][s] = p.w1s[e];
+    s_w[2][s] = p.w3[e];
+    s_w[3][s] = p.w3s[e];
   }
   for (int s = threadIdx.x; s <= nsets; s += blockDim.x) s_ps[s] = P.up_ps[s];
   __syncthreads();
@@ -465,8 +331,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_rows_up_kernel(const RowsUpPa
       q.v = u.m == 0 ? p.sw1 : p.sw3;
       q.fp4 = false;
     } else {
-      const int e = s_exp[u.s];
-      q.v = u.m == 0 ? expert_view(p.w1[e], p.w1s[e], p.D, p.etiled) : expert_view(p.w3[e], p.w3s[e], p.D, p.etiled);
+      q.v = expert_view(s_w[2 * u.m][u.s], s_w[2 * u.m + 1][u.s], p.D, p.etiled);
       q.fp4 = true;
     }
     q.row0 = static_cast<int64_t>(2 * u.k + u.tt) * 16;
@@ -585,7 +450,8 @@ struct DnPiece {
 __global__ void __launch_bounds__(kDnThreads, 1) moe_rows_down_kernel(const RowsDownParams p) {
   extern __shared__ __align__(128) uint4 smem_mma[];
   __shared__ uint4 s_zero[4];
-  __shared__ int s_cnt[kMaxSets], s_off[kMaxSets], s_exp[kMaxSets], s_ps[kMaxSets + 1];
+  __shared__ int s_cnt[kMaxSets], s_off[kMaxSets], s_ps[kMaxSets + 1];
+  __shared__ const uint8_t* s_w[2][kMaxSets];  // the routed sets' w2 and its scales (as the up kernel)
   if (threadIdx.x < 4) s_zero[threadIdx.x] = make_uint4(0, 0, 0, 0);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   uint4* ring = smem_mma + warp * (kRU + 1) * 64;
@@ -599,7 +465,11 @@ __global__ void __launch_bounds__(kDnThreads, 1) moe_rows_down_kernel(const Rows
   for (int s = threadIdx.x; s < nsets; s += blockDim.x) {
     s_cnt[s] = P.set_cnt[s];
     s_off[s] = P.set_off[s];
-    s_exp[s] = P.set_expert[s];
+  }
+  for (int s = threadIdx.x; s < nd; s += blockDim.x) {
+    const int e = P.set_expert[s];
+    s_w[0][s] = p.w2[e];
+    s_w[1][s] = p.w2s[e];
   }
   for (int s = threadIdx.x; s <= nsets; s += blockDim.x) s_ps[s] = P.dn_ps[s];
   __syncthreads();
@@ -634,9 +504,8 @@ __global__ void __launch_bounds__(kDnThreads, 1) moe_rows_down_kernel(const Rows
       lo = hh * p.nspI / 2;
       hi = (hh + 1) * p.nspI / 2;
     } else {
-      const int e = s_exp[u.s];
       h = u.pc;
-      q.v = expert_view(p.w2[e], p.w2s[e], p.I, p.etiled);
+      q.v = expert_view(s_w[0][u.s], s_w[1][u.s], p.I, p.etiled);
       q.fp4 = true;
       lo = 0;
       hi = p.nspR;

@@ -190,8 +190,13 @@ __device__ __forceinline__ void group_sync(int g, int nthreads) {
   }
 }
 
-// F: gate format (BF16 / F32); TT: token tile (T <= TT); R: gate rows per block.
-template <WFormat F, int TT, int R>
+// F: gate format (BF16 / F32); TT: token tile (T <= TT); R: gate rows per block. XS:
+// the T rows of x staged in shared memory as f32 after the grid-dependency wait (dynamic
+// shared memory, [T][2][cpr] float4: a thread's chunk is two conflict-free loads), one
+// round trip for all rows; without it every (chunk, row) loads its 8 values from global
+// memory where it is used, a chain of T dependent round trips per chunk for T rows
+// (the same values either way: the logits do not change).
+template <WFormat F, int TT, int R, bool XS>
 __global__ void __launch_bounds__(kThreads, 1) router_fused_kernel(const FusedParams p) {
   constexpr int LPC = F == WFormat::BF16 ? 1 : 2;  // 16-byte loads per 8-element chunk
   constexpr int NI = (F == WFormat::BF16 ? 4 : 2) / (TT >= 8 ? 2 : 1);  // iterations in flight
@@ -238,6 +243,17 @@ __global__ void __launch_bounds__(kThreads, 1) router_fused_kernel(const FusedPa
   }
   dev::pdl_wait();
   dev::pdl_launch_dependents();  // the MoE kernel waits for all of this kernel anyway
+  extern __shared__ float4 xs4[];
+  if constexpr (XS) {
+    for (int i = tid; i < p.T * p.cpr; i += kThreads) {
+      const int t = i / p.cpr, c = i - t * p.cpr;
+      float v[8];
+      dev::load_act8(p.x, p.xt, static_cast<int64_t>(t) * p.ldx + static_cast<int64_t>(c) * 8, v);
+      xs4[(2 * t) * p.cpr + c] = make_float4(v[0], v[1], v[2], v[3]);
+      xs4[(2 * t + 1) * p.cpr + c] = make_float4(v[4], v[5], v[6], v[7]);
+    }
+    __syncthreads();
+  }
 
   float acc[R][TT];
 #pragma unroll
@@ -274,7 +290,13 @@ __global__ void __launch_bounds__(kThreads, 1) router_fused_kernel(const FusedPa
       for (int t = 0; t < TT; ++t) {
         if (t >= p.T) break;
         float xv[8];  // x[t, 8c .. 8c + 8)
-        dev::load_act8(p.x, p.xt, static_cast<int64_t>(t) * p.ldx + static_cast<int64_t>(c) * 8, xv);
+        if constexpr (XS) {
+          const float4 lo = xs4[(2 * t) * p.cpr + c], hi = xs4[(2 * t + 1) * p.cpr + c];
+          xv[0] = lo.x, xv[1] = lo.y, xv[2] = lo.z, xv[3] = lo.w;
+          xv[4] = hi.x, xv[5] = hi.y, xv[6] = hi.z, xv[7] = hi.w;
+        } else {
+          dev::load_act8(p.x, p.xt, static_cast<int64_t>(t) * p.ldx + static_cast<int64_t>(c) * 8, xv);
+        }
 #pragma unroll
         for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -396,16 +418,28 @@ __global__ void __launch_bounds__(kThreads, 1) router_fused_kernel(const FusedPa
   }
 }
 
+template <WFormat F, int TT, int R>
+void launch_fused_r(const FusedParams& p, cudaStream_t stream) {
+  const unsigned blocks = static_cast<unsigned>((p.E + R - 1) / R);
+  // several rows: x staged in shared memory when it fits (router_fused_kernel, XS)
+  if constexpr (TT > 1) {
+    const size_t xs_bytes = static_cast<size_t>(p.T) * p.cpr * 32;
+    if (xs_bytes <= detail::max_dynamic_smem(router_fused_kernel<F, TT, R, true>)) {
+      detail::launch_pdl(router_fused_kernel<F, TT, R, true>, dim3(blocks), dim3(kThreads), xs_bytes, stream, p);
+      return;
+    }
+  }
+  detail::launch_pdl(router_fused_kernel<F, TT, R, false>, dim3(blocks), dim3(kThreads), 0, stream, p);
+}
+
 template <WFormat F, int TT>
 void launch_fused_tt(const FusedParams& p, cudaStream_t stream) {
   // 4 rows per block from E = 384 (96 blocks: the 3.9 MB gate of V4.1 streams with all of
   // it in flight at once), else 2
-  const int R = p.E >= 384 ? 4 : 2;
-  const unsigned blocks = static_cast<unsigned>((p.E + R - 1) / R);
-  if (R == 4)
-    detail::launch_pdl(router_fused_kernel<F, TT, 4>, dim3(blocks), dim3(kThreads), 0, stream, p);
+  if (p.E >= 384)
+    launch_fused_r<F, TT, 4>(p, stream);
   else
-    detail::launch_pdl(router_fused_kernel<F, TT, 2>, dim3(blocks), dim3(kThreads), 0, stream, p);
+    launch_fused_r<F, TT, 2>(p, stream);
 }
 
 template <WFormat F>
@@ -444,6 +478,17 @@ void router(DType xt, const void* x, int64_t ldx, int T, const QMatrix& gate, co
             const RouterOpts& o, float* logits, int32_t* ids, float* weights, cudaStream_t stream) {
   DSX_CHECK(gate.fmt == WFormat::BF16 || gate.fmt == WFormat::F32, "router: gate must be BF16 or F32");
   const int64_t E = gate.rows, D = gate.cols;
+  // 9..16 rows: the fused kernel twice (rows 0..7, then the rest), each row's logits,
+  // ids and weights those of a one-row call (the gate GEMV of the two-launch path sums
+  // in another order than the fused kernel)
+  if (T > kFusedMaxT && T <= 2 * kFusedMaxT && E <= kMaxE && D % 8 == 0 && detail::aligned16(gate.data) &&
+      fused_counter(logits, stream) && fused_counter(logits + kFusedMaxT * E, stream)) {
+    const int64_t xo = static_cast<int64_t>(kFusedMaxT) * ldx * static_cast<int64_t>(dtype_size(xt));
+    router(xt, x, ldx, kFusedMaxT, gate, bias, topk, o, logits, ids, weights, stream);
+    router(xt, static_cast<const uint8_t*>(x) + xo, ldx, T - kFusedMaxT, gate, bias, topk, o,
+           logits + kFusedMaxT * E, ids + kFusedMaxT * topk, weights + kFusedMaxT * topk, stream);
+    return;
+  }
   if (T >= 1 && T <= kFusedMaxT && E >= 1 && E <= kMaxE && D > 0 && D % 8 == 0 &&
       D <= (int64_t{1} << 30) && detail::aligned16(gate.data)) {
     DSX_CHECK(topk >= 1 && topk <= kMaxK && topk <= E, "router: bad topk ", topk);

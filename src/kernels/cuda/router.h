@@ -32,8 +32,10 @@ void router_select(const float* z, int64_t ldz, int T, int E, const float* bias,
 // 4-byte device counter per logits buffer, allocated and zeroed on the first call for
 // that buffer and left at 0 by every launch (CUDA-graph replays are fine). A buffer first
 // seen while the stream is being captured cannot get one (no allocation during capture):
-// that call takes the two launches. Otherwise: the gate GEMV (gemv.h) then
-// router_select, two launches. Calls sharing a logits buffer must be
+// that call takes the two launches. 9..16 rows: that launch for rows 0..7 and one for
+// the rest (the second counter belongs to row 8 of the logits). Each row's logits, ids
+// and weights are then, bit for bit, those of a one-row call. Otherwise: the gate GEMV
+// (gemv.h) then router_select, two launches. Calls sharing a logits buffer must be
 // ordered (one stream), as the buffer's contents already require.
 void router(DType xt, const void* x, int64_t ldx, int T, const QMatrix& gate, const float* bias, int topk,
             const RouterOpts& o, float* logits, int32_t* ids, float* weights, cudaStream_t stream);
