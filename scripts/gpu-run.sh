@@ -23,6 +23,7 @@ log "# dsx GPU run $(date -u +%Y-%m-%dT%H:%M:%SZ)"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv,noheader 2>&1 | tee -a "$summary"
 export DSX_GOLDEN_DIR="$golden"
 export DSX_BUILD_DIR="$build"
+export DSX_SOURCE_DIR="${DSX_SOURCE_DIR:-$PWD}"  # the tests' assets in this copy of the tree
 
 log "## GPU kernel tests"
 "$build/dsx_tests" --gtest_filter='*Cuda*:*/cuda' >"$out/gpu_tests.log" 2>&1

@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <vector>
 
+#include "cli/golden_check.h"  // row_rel_l2
 #include "kernels/cuda/cuda_util.h"
 #include "runtime/engine.h"
 #include "test_util.h"
@@ -31,16 +32,6 @@ std::unique_ptr<Engine> engine(const char* precision, int64_t ctx) {
   o.precision = precision;
   o.max_context = ctx;
   return load_engine(kModel, o);
-}
-
-double rel_l2(const float* a, const float* b, int64_t n) {
-  double num = 0, den = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const double d = static_cast<double>(a[i]) - b[i];
-    num += d * d;
-    den += static_cast<double>(b[i]) * b[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-300));
 }
 
 int64_t argmax(const float* a, int64_t n) { return std::max_element(a, a + n) - a; }
@@ -101,8 +92,8 @@ TEST(CudaTrainedModel, Bf16PrefillMatchesOneTokenDecode) {
     const float* p = pre.data() + i * V;
     const float* d = dec.data() + i * V;
     const float* r = ref.data() + i * V;
-    d_pd[i] = rel_l2(p, d, V);
-    d_prec[i] = rel_l2(p, r, V);
+    d_pd[i] = row_rel_l2(p, d, V);
+    d_prec[i] = row_rel_l2(p, r, V);
     same_pd += argmax(p, V) == argmax(d, V);
     same_prec += argmax(p, V) == argmax(r, V);
   }

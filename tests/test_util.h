@@ -25,7 +25,12 @@ inline std::string golden_dir() {
   return "";
 }
 
-inline std::string source_dir() { return DSX_SOURCE_DIR; }
+// The source tree (the model assets, train/): DSX_SOURCE_DIR overrides the configured one
+// (a test binary carried to another machine runs in its copy of the tree).
+inline std::string source_dir() {
+  if (const char* s = std::getenv("DSX_SOURCE_DIR")) return s;
+  return DSX_SOURCE_DIR;
+}
 
 }  // namespace dsx_test
 
