@@ -40,6 +40,12 @@ PrefetchReader::~PrefetchReader() {
   for (auto& s : slots_) std::free(s.data);
 }
 
+// The rest of the file through the page cache.
+void PrefetchReader::drop_direct() {
+  ::fcntl(fd_, F_SETFL, ::fcntl(fd_, F_GETFL) & ~O_DIRECT);
+  direct_ = false;
+}
+
 // n bytes at off (n a multiple of 4096 but for the file's last chunk, read whole: the
 // request is rounded up to the alignment O_DIRECT wants and the file's end stops it).
 size_t PrefetchReader::pread_full(uint8_t* p, size_t n, uint64_t off) {
@@ -49,18 +55,13 @@ size_t PrefetchReader::pread_full(uint8_t* p, size_t n, uint64_t off) {
     const ssize_t r = ::pread(fd_, p + got, want - got, static_cast<off_t>(off + got));
     if (r > 0) {
       got += static_cast<size_t>(r);
-      if (direct_ && got % 4096 != 0 && got < n) {
-        // a short unaligned read: go on through the page cache
-        ::fcntl(fd_, F_SETFL, ::fcntl(fd_, F_GETFL) & ~O_DIRECT);
-        direct_ = false;
-      }
+      if (direct_ && got % 4096 != 0 && got < n) drop_direct();  // a short unaligned read
       continue;
     }
     if (r == 0) break;
     if (errno == EINTR) continue;
     if (errno == EINVAL && direct_) {  // the file system refuses O_DIRECT reads
-      ::fcntl(fd_, F_SETFL, ::fcntl(fd_, F_GETFL) & ~O_DIRECT);
-      direct_ = false;
+      drop_direct();
       continue;
     }
     fail(what_, ": read failed: ", std::strerror(errno));
@@ -128,7 +129,6 @@ size_t PrefetchReader::read(void* p, size_t n) {
       ++next_use_;
     }
   }
-  delivered_ += got;
   return got;
 }
 

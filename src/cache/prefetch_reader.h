@@ -43,6 +43,7 @@ class PrefetchReader : public ByteSource {
   };
   void run();
   size_t pread_full(uint8_t* p, size_t n, uint64_t off);
+  void drop_direct();
 
   int fd_;
   uint64_t size_;
@@ -58,7 +59,6 @@ class PrefetchReader : public ByteSource {
   uint64_t next_read_ = 0;   // the thread's next chunk
   uint64_t next_use_ = 0;    // the consumer's current chunk
   size_t pos_ = 0;           // within it
-  uint64_t delivered_ = 0;
   std::thread th_;
 };
 
