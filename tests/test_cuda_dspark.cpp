@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/dspark_option.h"
 #include "cli/golden_check.h"
 #include "model/dspark.h"
 #include "runtime/dspark_decoding.h"
@@ -393,6 +394,26 @@ TEST(CudaDSpark, GreedyIdentityFp32) {
 TEST(CudaDSpark, GreedyIdentityBf16) {
   SKIP_WITHOUT_GPU();
   greedy_identity("bf16");
+}
+
+// The default rule (cli/dspark_option.h) on a CUDA engine: a model with stages decodes
+// with the CUDA drafter in the engine's precision unless told --dspark off (the identity
+// tests above are what allow it).
+TEST(CudaDSpark, DefaultIsOnForTheCudaEngine) {
+  SKIP_WITHOUT_GPU();
+  const std::string dir = trained_dir();
+  if (!std::filesystem::exists(dir + "/model.safetensors")) GTEST_SKIP() << "no trained model";
+  EngineOptions o;
+  o.backend = "cuda";
+  o.precision = "bf16";
+  o.max_context = 1024;
+  auto eng = load_engine(dir, o);
+  const cli::DSparkSetup d = cli::setup_dspark(cli::DSparkChoice{}, dir, *eng);
+  ASSERT_TRUE(d.strategy);
+  EXPECT_EQ(d.name, "on");
+  EXPECT_EQ(d.drafter->backend_name(), "cuda");
+  const cli::DSparkSetup off = cli::setup_dspark(cli::parse_dspark("off"), dir, *eng);
+  EXPECT_FALSE(off.strategy);
 }
 
 #endif  // DSX_HAVE_CUDA

@@ -13,7 +13,8 @@
 //   - the lazy tool grammar: a tool call opened inside a DSpark block is constrained from
 //     the next token on (the answer equals the plain server's) and validates;
 //   - /metrics and the request log report accepted drafts and tokens per cycle; the
-//     default rule (cli/dspark_option.h) turns DSpark on for the CPU engine.
+//     default rule (cli/dspark_option.h) turns DSpark on for the CPU engine (the CUDA
+//     engine: CudaDSpark.DefaultIsOnForTheCudaEngine).
 #ifdef DSX_HAVE_HTTP
 #ifndef CPPHTTPLIB_OPENSSL_SUPPORT
 #define CPPHTTPLIB_OPENSSL_SUPPORT
@@ -417,8 +418,8 @@ TEST(ServerDSpark, MetricsAndRequestLog) {
   EXPECT_LE(a.metric("dsx_dspark_drafts_accepted_total"), a.metric("dsx_dspark_drafts_verified_total"));
 }
 
-// The default rule (one place: cli/dspark_option.h): on for the CPU engine when the model
-// has stages.
+// The default rule (one place: cli/dspark_option.h): on when the model has stages (here
+// the CPU engine).
 TEST(ServerDSpark, DefaultIsOnForTheCpuEngine) {
   NEED_MODEL();
   Server a(true, 4);

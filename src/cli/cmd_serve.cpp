@@ -166,8 +166,8 @@ int cmd_serve(int argc, char** argv) {
     eng = load_engine(dir, o);
   }
   warm_up(*eng);
-  // DSpark: the rule of dsx run (cli/dspark_option.h: on by default for the CPU engine
-  // when the model has stages); a synthetic model has none
+  // DSpark: the rule of dsx run (cli/dspark_option.h: on by default when the model has
+  // stages); a synthetic model has none
   DSparkSetup ds;
   if (synthetic) {
     if (dspark.mode != DSparkChoice::Mode::Default && dspark.mode != DSparkChoice::Mode::Off)

@@ -15,8 +15,8 @@ const char* const kDSparkHelp =
     "                      distribution when sampling): on chooses how many drafts to\n"
     "                      verify per cycle from the drafter's confidences, static K always\n"
     "                      verifies K (0 .. dspark_block_size); default on when the model\n"
-    "                      has stages and the backend is cpu (the drafter computes on the\n"
-    "                      engine's backend: the CUDA drafter for cuda)\n";
+    "                      has stages (the drafter computes on the engine's backend: the\n"
+    "                      CUDA drafter, in the engine's precision, for cuda)\n";
 
 namespace {
 bool is_number(const std::string& s) {
@@ -74,11 +74,11 @@ DSparkSetup setup_dspark(const DSparkChoice& c, const std::string& dir, const En
     if (c.mode != DSparkChoice::Mode::Default) std::fprintf(stderr, "model has no DSpark stages: plain decoding\n");
     return s;
   }
-  // default: the CPU engine only; on CUDA, greedy DSpark output is not yet always plain
-  // greedy's (bf16 verify rows vs one-row steps, bench/RESULTS.md "DSpark on CUDA"), so
-  // it runs when asked for (--dspark on / static K) with the CUDA drafter
-  if (c.mode == DSparkChoice::Mode::Default && eng.backend_name() != "cpu") return s;
+  // default on for every backend with a drafter: greedy DSpark output equals plain
+  // greedy on the CPU and on CUDA fp32 and bf16 (CudaDSpark.GreedyIdentity*: the k-row
+  // verify step computes each row's numbers as the one-row step does)
   if (!drafter_backend_available(eng.backend_name())) {
+    if (c.mode == DSparkChoice::Mode::Default) return s;
     fail("--dspark: no DSpark drafter for backend '", eng.backend_name(), "' in this build");
   }
   s.drafter = load_drafter(dir, eng);

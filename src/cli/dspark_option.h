@@ -5,8 +5,8 @@
 //
 // The drafter computes where the engine does (runtime/dspark_decoding.h load_drafter:
 // the CPU reference for a CPU engine, the CUDA drafter in the engine's precision for a
-// CUDA one). Default (no --dspark): on when the model has DSpark stages and the engine is
-// the CPU one (on CUDA greedy identity is not yet guaranteed: bench/RESULTS.md). A model without stages runs plain decoding, silently; with an
+// CUDA one). Default (no --dspark): on when the model has DSpark stages and the engine's
+// backend has a drafter. A model without stages runs plain decoding, silently; with an
 // explicit --dspark on / static K it says so once.
 #pragma once
 #include <memory>
