@@ -110,8 +110,14 @@ def load_cmap(path):
 class Windows:
     """Non-overlapping windows of seq + 1 tokens of a uint16 token file, in a seeded order."""
 
-    def __init__(self, path, seq, seed):
+    def __init__(self, path, seq, seed, weights=None):
         self.data = np.memmap(path, dtype=np.uint16, mode="r")
+        self.weights = None
+        if weights:
+            self.weights = np.memmap(weights, dtype=np.uint8, mode="r")
+            if len(self.weights) != len(self.data):
+                raise ValueError("%s: %d token classes for the %d tokens of %s" % (weights, len(self.weights),
+                                                                                len(self.data), path))
         self.seq = seq
         self.n = (len(self.data) - 1) // seq
         if self.n < 1:
@@ -128,14 +134,21 @@ class Windows:
         self.pos = 0
 
     def batch(self, B):
-        rows = []
+        return self.batch_with_classes(B)[0]
+
+    def batch_with_classes(self, B):
+        """(ids [B, seq + 1], token classes of the targets [B, seq] or None)."""
+        rows, cls = [], []
         for _ in range(B):
             if self.order is None or self.pos >= self.n:
                 self._shuffle()
             s = int(self.order[self.pos]) * self.seq
             self.pos += 1
             rows.append(np.asarray(self.data[s:s + self.seq + 1], dtype=np.int64))
-        return torch.from_numpy(np.stack(rows))
+            if self.weights is not None:
+                cls.append(np.asarray(self.weights[s + 1:s + self.seq + 1], dtype=np.int64))
+        c = torch.from_numpy(np.stack(cls)) if cls else None
+        return torch.from_numpy(np.stack(rows)), c
 
     def first(self, k):
         k = min(k, self.n)
@@ -247,6 +260,13 @@ def main(argv=None):
     ap.add_argument("--no-export", action="store_true")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny config, synthetic data, CPU, < 1 minute")
+    ap.add_argument("--init", default=None, help="start from this exported checkpoint dir (its config, its weights "
+                    "and router biases; its mtp.* DSpark stages and their config keys are carried into the export "
+                    "unchanged)")
+    ap.add_argument("--train-file", default=None, help="token file to train on (default DATA_DIR/train.bin)")
+    ap.add_argument("--token-classes", default=None, help="uint8 per token of the train file: the class of each "
+                    "token (e.g. synth_finetune.py's 0 context, 1 assistant turn, 2 tool / parameter name)")
+    ap.add_argument("--class-weights", default="1,1,1", help="loss weight of each token class (comma list)")
     args = ap.parse_args(argv)
 
     if args.smoke:
@@ -291,15 +311,33 @@ def main(argv=None):
         subprocess.run([dsx, "engram-cmap", "--tokenizer", args.tokenizer, "-o", cmap_path], check=True)
     cmap, n_keys = load_cmap(cmap_path)
     tok = tokenizer_facts(args.tokenizer)
-    cfgd = build_config(args.config, tok, n_keys, args.vocab_size)
+    if args.init:
+        with open(os.path.join(args.init, "config.json")) as f:
+            cfgd = json.load(f)
+        if cfgd["text_config"]["vocab_size"] < tok["len"]:
+            raise ValueError("--init %s: vocab_size below the tokenizer size" % args.init)
+    else:
+        cfgd = build_config(args.config, tok, n_keys, args.vocab_size)
     cfg = M.Config(cfgd)
 
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
-    model = M.V41Model(cfg, cmap=cmap).to(dev)
+    model = M.V41Model(cfg, cmap=cmap)
+    keep_tensors = None
+    if args.init:  # the export is exact: these f32 weights re-quantize to the same bytes
+        tensors = M.load_checkpoint_tensors(args.init)
+        M.load_official(model, tensors)
+        keep_tensors = init_extra_tensors(args.init)
+        del tensors
+    model = model.to(dev)
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
-    train_w = Windows(os.path.join(args.data_dir, "train.bin"), args.seq, args.seed)
+    train_path = args.train_file or os.path.join(args.data_dir, "train.bin")
+    train_w = Windows(train_path, args.seq, args.seed, args.token_classes)
+    class_w = torch.tensor([float(v) for v in args.class_weights.split(",")], device=dev)
+    if train_w.weights is not None and int(train_w.weights.max()) >= len(class_w):
+        raise ValueError("--token-classes has class %d, --class-weights only %d values" % (
+            int(train_w.weights.max()), len(class_w)))
     val_path = os.path.join(args.data_dir, "val.bin")
     val_w = Windows(val_path, args.seq, args.seed + 1) if os.path.exists(val_path) else None
     bad = int(np.max(train_w.data[: min(len(train_w.data), 10_000_000)]))
@@ -310,8 +348,9 @@ def main(argv=None):
            "numpy": np.__version__, "device": str(dev),
            "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "bf16_products": bool(bf16), "cmap": {"path": cmap_path, "n_keys": n_keys, "sha256": sha256(cmap_path)},
-           "data": {"train": {"path": os.path.join(args.data_dir, "train.bin"), "tokens": int(len(train_w.data)),
-                              "sha256": sha256(os.path.join(args.data_dir, "train.bin"))},
+           "init": {"dir": args.init, "sha256": sha256(os.path.join(args.init, "model.safetensors"))} if args.init else None,
+           "data": {"train": {"path": train_path, "tokens": int(len(train_w.data)), "sha256": sha256(train_path),
+                              "classes_sha256": sha256(args.token_classes) if args.token_classes else None},
                     "val": {"path": val_path, "tokens": int(len(val_w.data)) if val_w else 0,
                             "sha256": sha256(val_path) if val_w else None}},
            "tokenizer": {"path": args.tokenizer, "sha256": sha256(args.tokenizer), "len": tok["len"]}}
@@ -342,10 +381,16 @@ def main(argv=None):
         for g in opt.param_groups:
             g["lr"] = lr
         model.sparse = progress >= args.dense_warmup_frac
-        x = train_w.batch(args.batch).to(dev, non_blocking=True)
+        x, xc = train_w.batch_with_classes(args.batch)
+        x = x.to(dev, non_blocking=True)
         try:
             logits = model(x[:, :-1])
-            ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+            if xc is None:
+                ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+            else:  # per-class weighted mean of the token losses
+                w = class_w[xc.to(dev).reshape(-1)]
+                ce = (F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
+                                      reduction="none") * w).sum() / w.sum().clamp(min=1e-9)
             loss = ce + args.index_coef * model.index_loss + args.aux_coef * model.aux_loss
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -397,8 +442,9 @@ def main(argv=None):
         mdir = os.path.join(args.out, "model")
         model_cpu = model.to("cpu")
         M.set_matmul_bf16(False)
-        EX.export(model_cpu, mdir, args.tokenizer, cmap=cmap,
-                  metadata={"step": step, "tokens": tokens, "seed": args.seed})
+        EX.export(model_cpu, mdir, args.tokenizer, cmap=cmap, extra_tensors=keep_tensors,
+                  metadata={"step": step, "tokens": tokens, "seed": args.seed,
+                            **({"init": os.path.basename(os.path.normpath(args.init))} if args.init else {})})
         summary["export"] = mdir
         dsx = args.engine_dsx or os.path.join(REPO, "build-cpu", "dsx")
         if val_w is not None and os.path.exists(dsx) and args.engine_windows > 0:
@@ -415,6 +461,20 @@ def main(argv=None):
         json.dump(summary, f, indent=1)
     print(json.dumps({"done": summary}), flush=True)
     return summary
+
+
+def init_extra_tensors(model_dir):
+    """The --init checkpoint's tensors outside the backbone (mtp.*: the DSpark stages) as raw
+    (dtype, shape, bytes) entries, so that the export carries them bit for bit."""
+    out = {}
+    for fn in st.checkpoint_files(model_dir):
+        p = os.path.join(model_dir, fn)
+        h = st.read_header(p)
+        t, _ = st.read_safetensors(p)
+        for name, v in t.items():
+            if name.startswith("mtp."):
+                out[name] = (h[name]["dtype"], list(h[name]["shape"]), st._tensor_bytes(v))
+    return out
 
 
 def save(model, cfgd, step, tokens, out):

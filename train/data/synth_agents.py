@@ -1299,6 +1299,8 @@ def main() -> int:
     ap.add_argument("--tokenizer", default=os.path.join(REPO, "train", "out", "tokenizer.json"))
     ap.add_argument("--sample-text", action="store_true", help="render training conversations as text for the tokenizer sample")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--eval-only", action="store_true",
+                    help="only agent_eval.jsonl: the splits are generated (for the prefix check), not rendered")
     args = ap.parse_args()
     t0 = time.time()
     out = os.path.join(args.data, "agents")
@@ -1321,6 +1323,13 @@ def main() -> int:
     for split, na, nc in (("train", SETTINGS["train_agents"], SETTINGS["train_chats"]),
                           ("val", SETTINGS["val_agents"], SETTINGS["val_chats"])):
         convs = gen_split(split, na, nc, pool)
+        if args.eval_only:  # the same prompts as a full run: only the training prefixes matter
+            if split == "train":
+                for c in convs:
+                    for j in range(1, len(c["messages"]) + 1):
+                        train_prefixes.add(prefix_key(c, j))
+            log(f"{split}: generated {len(convs)} conversations ({time.time() - t0:.1f} s), not rendered (--eval-only)")
+            continue
         log(f"{split}: generated {len(convs)} conversations ({time.time() - t0:.1f} s); rendering")
         ids, n_verified = render_ids([request_json(c) for c in convs], args.tokenizer, args.workers, SETTINGS["verify_every"])
         log(f"{split}: rendered; {n_verified} conversations checked against dsx render --ids")
@@ -1403,7 +1412,7 @@ def main() -> int:
                      "thinking": sum(1 for e in evals if e[0]["thinking"]),
                      "first_call": sum(1 for e in evals if e[0]["call_points"][0][0] == e[1]),
                      "max_prompt_tokens": max(len(e[3]) for e in evals)}
-    with open(os.path.join(out, "stats.json"), "w", encoding="utf-8") as f:
+    with open(os.path.join(out, "eval_stats.json" if args.eval_only else "stats.json"), "w", encoding="utf-8") as f:
         json.dump(stats, f, indent=1)
         f.write("\n")
     log(f"agent_eval.jsonl: {len(evals)} prompts (rejected: {json.dumps(rejected)}); done in {time.time() - t0:.1f} s")
