@@ -8,8 +8,8 @@
 #                                          the final model, CUDA checks, files into OUT
 #   bash scripts/gpu-train.sh finetune OUT one call (~9 minutes): the tool-call fine-tune of
 #                                          the committed model (train/data/synth_finetune.py
-#                                          data), its DSpark stages continued on the new
-#                                          target, CUDA checks, the model into OUT
+#                                          data; its DSpark stages carried, optionally
+#                                          continued), CUDA checks, the model into OUT
 # Inputs (carried): train/out/gpu_bundle.tar.xz (train/data/build_all.sh),
 # train/out/engram_cmap.safetensors (dsx engram-cmap), .device/gpubin.tar.xz (the
 # CUDA build's dsx). Environment: DSX_TRAIN_MINUTES (target, default 7),
@@ -17,8 +17,10 @@
 # .device/ft_bundle.tar.xz (data/ft/ of synth_finetune.py, data/heldout_code.txt,
 # data/agent_eval.jsonl, unpacked under train/out) and .device/gpubin.tar.xz; the start
 # model DSX_FT_INIT (default assets/dsx-small-v41); DSX_FT_MINUTES (default 4),
-# DSX_FT_LR (default 6e-4), DSX_FT_WEIGHTS (class weights, default 1,1,2,5),
-# DSX_DSPARK_MINUTES (default 2 here).
+# DSX_FT_LR (default 8e-4), DSX_FT_WEIGHTS (class weights, default 1,1,3,12),
+# DSX_FT_DENSE (dense compressed attention for this fraction of the fine-tune, default 0.3:
+# the copies from the schema need gradients through rows the indexer does not pick yet),
+# DSX_DSPARK_MINUTES (default 0 here: the carried stages as they are), DSX_EVAL_PROMPTS (200).
 set -uo pipefail
 phase=${1:?usage: gpu-train.sh target|wait|dspark|finetune OUT}
 out=${2:?usage: gpu-train.sh target|wait|dspark OUT}
@@ -68,40 +70,55 @@ case $phase in
     ls -la "$out"
     ;;
   finetune)
-    mkdir -p "$out" /tmp/g && tar -xJf .device/gpubin.tar.xz -C /tmp/g || exit 1
+    mkdir -p "$out" /tmp/g $T && tar -xJf .device/gpubin.tar.xz -C /tmp/g || exit 1
     export LD_LIBRARY_PATH=/tmp/g/gpubin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     tar -xJf .device/ft_bundle.tar.xz -C $T || exit 1
     init=${DSX_FT_INIT:-assets/dsx-small-v41}
+    L=$T/ft_logs; mkdir -p $L
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     echo "== fine-tune from $init"
     python3 -u train/train_target.py --device cuda --init "$init" --cmap "$init/engram_cmap.safetensors" \
       --tokenizer "$init/tokenizer.json" --data-dir $T/data/ft --token-classes $T/data/ft/train.classes.bin \
-      --class-weights "${DSX_FT_WEIGHTS:-1,1,2,5}" --lr "${DSX_FT_LR:-6e-4}" --warmup-frac 0.05 --min-lr-frac 0.1 \
-      --max-minutes "${DSX_FT_MINUTES:-4}" --steps 1000000 --batch "${DSX_TRAIN_BATCH:-32}" --seq 1024 \
-      --engine-windows 0 --out $T/ft_target >"$out/ft_target.log" 2>&1
-    grep -v '^{"step"' "$out/ft_target.log" | tail -n 5; grep '^{"step"' "$out/ft_target.log" | awk 'NR % 10 == 1' | cut -c1-200
-    cp $T/ft_target/summary.json "$out/ft_target_summary.json"
-    [ -f $T/ft_target/model/model.safetensors ] || { echo "no fine-tune export"; exit 1; }
-    echo "== greedy tool calls of the fine-tuned target (100 held-out prompts, CUDA bf16), in the background"
-    (python3 -u train/data/eval_agents.py -m $T/ft_target/model --dsx /tmp/g/gpubin/dsx --backend cuda \
-      --precision bf16 --limit 100 --out "$out/eval_agents_target.jsonl" >"$out/eval_agents_target.txt" 2>&1 &)
-    echo "== DSpark stages continued on the fine-tuned target"
-    python3 -u train/train_dspark.py --target $T/ft_target/model --init checkpoint --data $T/data/ft \
-      --cmap "$init/engram_cmap.safetensors" --device cuda --max-minutes "${DSX_DSPARK_MINUTES:-2}" --lr 7e-4 \
-      --warmup 20 --out $T/ft_dspark 2>&1 | tee "$out/dspark.log" | grep -v '^{"step"' | tail -n 12
-    m=$T/ft_dspark/model
-    [ -f $m/model.safetensors ] || { echo "no DSpark export"; exit 1; }
-    for p in fp32 bf16; do
-      echo "== perplexity, held-out code, cuda $p"
-      /tmp/g/gpubin/dsx perplexity -m "$m" -f $T/data/heldout_code.txt --ctx 1024 --backend cuda --precision $p --quiet 2>&1 | tee "$out/ppl_$p.txt"
+      --class-weights "${DSX_FT_WEIGHTS:-1,1,3,12}" --lr "${DSX_FT_LR:-8e-4}" --warmup-frac 0.05 --min-lr-frac 0.1 \
+      --max-minutes "${DSX_FT_MINUTES:-3}" --steps 1000000 --batch "${DSX_TRAIN_BATCH:-32}" --seq 1024 \
+      --dense-warmup-frac "${DSX_FT_DENSE:-0.3}" --engine-windows 0 --out $T/ft_target >$L/ft_target.log 2>&1
+    grep -v '^{"step"' $L/ft_target.log | grep -v Warning | tail -n 3; grep '^{"step"' $L/ft_target.log | awk 'NR % 10 == 1' | cut -c1-120
+    cp $T/ft_target/summary.json $L/ft_target_summary.json
+    m=$T/ft_target/model
+    [ -f $m/model.safetensors ] || { echo "no fine-tune export"; exit 1; }
+    if [ "${DSX_DSPARK_MINUTES:-0}" != 0 ]; then  # continue the carried stages on the new target
+      python3 -u train/train_dspark.py --target $m --init checkpoint --data $T/data/ft \
+        --cmap "$init/engram_cmap.safetensors" --device cuda --max-minutes "$DSX_DSPARK_MINUTES" --lr 7e-4 \
+        --warmup 20 --out $T/ft_dspark >$L/dspark.log 2>&1; tail -n 3 $L/dspark.log
+      m=$T/ft_dspark/model
+    fi
+    echo "== greedy tool calls (${DSX_EVAL_PROMPTS:-200} held-out prompts, CUDA bf16, 8 shards), DSpark acceptance, perplexity"
+    for k in 0 1 2 3 4 5 6 7; do
+      python3 -u train/data/eval_agents.py -m $m --dsx /tmp/g/gpubin/dsx --backend cuda --precision bf16 \
+        --limit "${DSX_EVAL_PROMPTS:-200}" --shard $k/8 --out $L/eval_agents_$k.jsonl >$L/eval_agents_$k.txt 2>&1 &
     done
-    echo "== DSpark acceptance at T = 0, held-out code"
-    timeout "${DSX_EVAL_DSPARK_S:-75}" python3 -u train/eval_dspark.py --model "$m" --text $T/data/heldout_code.txt --device cuda \
-      --prompts 32 --prompt-len 256 --gen-len 128 --json "$out/eval_dspark.json" 2>&1 | tail -n 12
-    for i in $(seq 60); do pgrep -f "eval_agents.py -m $T/ft_target" >/dev/null || break; sleep 2; done
-    tail -n 6 "$out/eval_agents_target.txt"
-    (cd "$m" && tar -cf - . | xz -T8 -6 | split -b 15m - "$out/model.tar.xz.")
-    cp $T/ft_dspark/summary.json "$out/dspark_summary.json" 2>/dev/null
+    timeout "${DSX_EVAL_DSPARK_S:-90}" python3 -u train/eval_dspark.py --model "$m" --text $T/data/heldout_code.txt \
+      --device cuda --prompts 32 --prompt-len 256 --gen-len 128 --json $L/eval_dspark.json >$L/eval_dspark.txt 2>&1 &
+    for p in fp32 bf16; do
+      /tmp/g/gpubin/dsx perplexity -m "$m" -f $T/data/heldout_code.txt --ctx 1024 --backend cuda --precision $p \
+        --quiet >$L/ppl_$p.txt 2>&1; echo "$p: $(tr '\n' ' ' <$L/ppl_$p.txt)"
+    done
+    /tmp/g/gpubin/dsx perplexity -m "$init" -f $T/data/heldout_code.txt --ctx 1024 --backend cuda --precision fp32 \
+      --quiet >$L/ppl_init_fp32.txt 2>&1; echo "init fp32: $(tr '\n' ' ' <$L/ppl_init_fp32.txt)"
+    wait
+    tail -n 4 $L/eval_dspark.txt
+    python3 - "$L" <<'PY'
+import glob, json, sys
+r = [json.loads(l) for f in sorted(glob.glob(sys.argv[1] + "/eval_agents_*.jsonl")) for l in open(f)]
+n, ok = len(r), sum(x["ok"] for x in r)
+print("tool_call_valid %d/%d; first 100: %d/100; first call names the expected tool %d/%d" % (
+    ok, n, sum(x["ok"] for x in r if x["index"] < 100), sum(x["first_tool_matches"] for x in r), n))
+for t in (False, True):
+    s = [x for x in r if x["thinking"] == t]
+    print("  thinking=%s: %d/%d" % ("on" if t else "off", sum(x["ok"] for x in s), len(s)))
+PY
+    (cd "$m" && tar -cf - . | xz -T16 -6 | split -b 16m - "$out/model.tar.xz.")
+    tar -C $L -cJf "$out/logs.tar.xz" .
     ls -la "$out"
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;

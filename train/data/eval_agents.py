@@ -50,12 +50,20 @@ def main() -> int:
     ap.add_argument("-n", type=int, default=384, help="new tokens at most")
     ap.add_argument("--limit", type=int, default=0)
     ap.add_argument("--out", default=None, help="per-prompt results (JSON lines)")
+    ap.add_argument("--shard", default=None, help="K/N: only the prompts with index %% N == K (after --limit)")
     args = ap.parse_args()
     tok = bpe.Tokenizer(os.path.join(args.model, "tokenizer.json"))
     with open(args.eval, encoding="utf-8") as f:
         items = [json.loads(l) for l in f]
     if args.limit:
         items = items[: args.limit]
+    index = list(range(len(items)))
+    if args.shard:
+        k, n = (int(x) for x in args.shard.split("/"))
+        if not 0 <= k < n:
+            raise SystemExit(f"--shard {args.shard}: want K/N with 0 <= K < N")
+        index = index[k::n]
+        items = items[k::n]
     n_ok = n_tool = 0
     t0 = time.time()
     results = []
@@ -76,7 +84,7 @@ def main() -> int:
             named = bool(first) and first[0]["name"] == e["expected_tool"]
             n_ok += ok
             n_tool += named
-            results.append({"index": i, "ok": ok, "detail": detail, "expected_tool": e["expected_tool"],
+            results.append({"index": index[i], "ok": ok, "detail": detail, "expected_tool": e["expected_tool"],
                             "first_tool_matches": named, "scenario": e["scenario"], "thinking": e["thinking"],
                             "new_tokens": len(new), "completion": text})
             if (i + 1) % 20 == 0:

@@ -7,8 +7,9 @@ come from small pools per tool family (4-12 names): the model learned the pools'
 names and writes them whatever the schema says. Here every conversation is rendered once by
 dsx with placeholder names (QQT<i>QQ for tools, QQK<i>x<j>QQ for parameters) and then
 instantiated VARIANTS times with names drawn from large compositional pools (prefix + verb +
-noun in snake / camel / Pascal / kebab case, invented words, and the original pools a fifth
-of the time): the same conversation with different names, so that only copying from the
+noun in snake / camel / Pascal / kebab case, invented words; never drawn from the original
+pools, although the compositions often spell their names): the same conversation with
+different names, so that only copying from the
 schema predicts them. Substituting an identifier for a placeholder in the rendered text is
 what dsx would render for the substituted conversation (identifiers need no escaping); every
 VERIFY_EVERY-th variant is rendered again with `dsx render --ids` and compared id for id.
@@ -56,14 +57,14 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 SETTINGS = {
     "seed": "ft24",
     "base_conversations": 2600,
-    "variants": 3,
+    "variants": 4,
     "block": 1024,
-    "code_block_fraction": 0.45,
+    "code_block_fraction": 0.4,
     "code_text_bytes": 14_000_000,  # training-corpus text tokenized for the fillers and code blocks
     "docs_text_bytes": 1_000_000,
     "js_text_bytes": 500_000,
     "verify_every": 25,
-    "original_name_fraction": 0.2,
+    "original_name_fraction": 0.0,
     "invented_name_fraction": 0.1,
 }
 BLOCK_CLASSES = {"corpus": 0, "context": 1, "assistant": 2, "name": 3}
@@ -410,7 +411,19 @@ def main() -> int:
 
     bases = [gen_base(i, pool) for i in range(SETTINGS["base_conversations"])]
     log(f"{len(bases)} base conversations ({time.time() - t0:.1f} s); rendering with placeholders")
-    texts = SA.render_all([SA.request_json(c) for c, _ in bases], None, args.workers)
+    # The renders with placeholders depend only on the base conversations: cached by their hash.
+    reqs = [SA.request_json(c) for c, _ in bases]
+    key = hashlib.sha256(SA.jdump(reqs).encode() + open(SA.dsx_bin(), "rb").read(1 << 20)).hexdigest()
+    cache = os.path.join(out, "base_renders.json")
+    texts = None
+    if os.path.exists(cache):
+        with open(cache, encoding="utf-8") as f:
+            c = json.load(f)
+        texts = c["texts"] if c.get("key") == key else None
+    if texts is None:
+        texts = SA.render_all(reqs, None, args.workers)
+        with open(cache, "w", encoding="utf-8") as f:
+            json.dump({"key": key, "texts": texts}, f, ensure_ascii=False)
     log(f"rendered ({time.time() - t0:.1f} s)")
 
     variants = []  # (conversation, text)
