@@ -780,6 +780,22 @@ pid_t spawn_server(const std::string& bin, const std::string& model, const std::
   return -1;
 }
 
+// Waits for the child at most `seconds`; one still running then is killed, and the test
+// fails naming what it waited for (a server that does not stop must not hold the run).
+int wait_child(pid_t pid, int seconds, const char* what) {
+  int status = 0;
+  for (int i = 0; i < seconds * 10; ++i) {
+    const pid_t r = ::waitpid(pid, &status, WNOHANG);
+    if (r == pid) return status;
+    if (r < 0) return -1;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ADD_FAILURE() << "dsx serve did not exit within " << seconds << " s of " << what;
+  ::kill(pid, SIGKILL);
+  ::waitpid(pid, &status, 0);
+  return status;
+}
+
 std::set<std::string> entry_files(const std::string& dir) {
   std::set<std::string> s;
   for (const auto& e : fs::directory_iterator(dir)) {
@@ -853,8 +869,7 @@ TEST(ServerKvCache, KillNineLosesNoCommittedEntry) {
     first = json::parse(r->body);
   }
   ::kill(pid, SIGTERM);
-  int status = 0;
-  ::waitpid(pid, &status, 0);
+  const int status = wait_child(pid, 120, "SIGTERM");
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
   const int port2 = free_port();
   pid = spawn_server(bin, model, kv, port2, log);
@@ -871,7 +886,7 @@ TEST(ServerKvCache, KillNineLosesNoCommittedEntry) {
     EXPECT_EQ(again["choices"][0]["message"], first["choices"][0]["message"]);
   }
   ::kill(pid, SIGTERM);
-  ::waitpid(pid, nullptr, 0);
+  wait_child(pid, 120, "SIGTERM");
 }
 
 #endif  // DSX_HAVE_HTTP

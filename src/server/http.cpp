@@ -70,7 +70,7 @@ void HttpServer::listen() {
 
 std::string HttpServer::metrics_text() const {
   const SchedulerStats s = sched_->stats();
-  const StateFootprint f = eng_.footprint();
+  const StateFootprint& f = s.footprint;  // (the worker's: the engine is not read from here)
   std::string m;
   auto line = [&](const char* name, const char* type, const char* help, double v) {
     char buf[256];

@@ -96,6 +96,7 @@ Scheduler::Scheduler(Engine& eng, const text::Tokenizer& tok, SchedulerOptions o
   };
   user_id_ = single(text::tok::kUser);
   assistant_id_ = single(text::tok::kAssistant);
+  stats_.footprint = eng_.footprint();
   worker_ = std::thread([this] { loop(); });
 }
 
@@ -795,7 +796,9 @@ void Scheduler::loop() {
         ++stats_.failed;
       }
     }
+    const StateFootprint fp = eng_.footprint();
     std::lock_guard<std::mutex> lk(mu_);
+    stats_.footprint = fp;
     for (auto& a : active_)
       if (a->done) a->slot->busy = false, a->slot->last_use = ++clock_;
     active_.erase(std::remove_if(active_.begin(), active_.end(), [](const auto& a) { return a->done; }), active_.end());

@@ -159,6 +159,9 @@ struct SchedulerStats {
   int64_t kv_saves_dropped = 0;    // the background writer's queue was full
   double kv_snapshot_seconds = 0;  // serializing snapshots on the engine thread
   int64_t kv_snapshot_bytes = 0;
+  // the engine's session state as the worker saw it after its last loop turn (the engine
+  // is the worker's alone: other threads never read its sessions)
+  StateFootprint footprint;
 };
 
 class Scheduler {
