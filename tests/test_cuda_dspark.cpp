@@ -9,13 +9,21 @@
 //     block's launches, eager chunks, holes after a rollback): the CUDA drafter == the CPU
 //     drafter to the README's tolerances; graph replays == eager runs bit for bit;
 //   - GreedyIdentity{Fp32,Bf16}: DSpark on CUDA with the CUDA drafter == plain greedy on
-//     CUDA, id for id, on 10 generations of 512 tokens of the trained model.
+//     CUDA, id for id, on 10 generations of 512 tokens of the trained model;
+//   - SamplingMatchesPlain{Fp32,Bf16}: at T > 0 the first two sampled tokens after code
+//     prompts of the trained model follow plain sampling's exact law (from the same CUDA
+//     engine's logits), with DSpark (the CUDA drafter's sampled drafts, k chosen by the
+//     schedule; an oracle's point-mass drafts, so that blocks are accepted) and plain
+//     sampling itself: chi-square, several temperature / top-k / top-p settings, 10^5
+//     DSpark draws over both tests (dspark_law.h).
 // Skipped without a GPU, and (golden tests) without the golden cases.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -28,6 +36,7 @@
 #include "runtime/engine.h"
 #include "runtime/generate.h"
 #include "cuda_test_util.h"
+#include "dspark_law.h"
 #include "test_util.h"
 #include "text/tokenizer.h"
 #include "util/safetensors.h"
@@ -414,6 +423,137 @@ TEST(CudaDSpark, DefaultIsOnForTheCudaEngine) {
   EXPECT_EQ(d.drafter->backend_name(), "cuda");
   const cli::DSparkSetup off = cli::setup_dspark(cli::parse_dspark("off"), dir, *eng);
   EXPECT_FALSE(off.strategy);
+}
+
+
+// ---- sampling at T > 0 --------------------------------------------------------------------
+
+namespace {
+
+using namespace dspark_law;
+
+// A correct sampler fails one chi-square test here at this p-value with probability 1e-3:
+// test_dspark_decoding.cpp's rule (and reasons: fixed seeds, so a pass is reproducible;
+// the 18 tests here would all pass a correct implementation with probability ~98% had
+// the seeds been drawn at random). The bar for the measured values is p > 0.01;
+// every p-value is printed.
+constexpr double kMinP = 1e-3;
+
+// Draws per setting and strategy (DSX_CUDA_SAMPLING_DRAWS: fewer for a quick look):
+// 3 settings x 2 DSpark strategies x 8400 = 50400 DSpark draws per precision, 100800
+// over fp32 and bf16.
+int sampling_draws() {
+  const char* e = std::getenv("DSX_CUDA_SAMPLING_DRAWS");
+  return e ? std::max(1, std::atoi(e)) : 8400;
+}
+
+// Code prompts of the trained model (DSpark's drafts are accepted there) with several
+// next tokens of weight, and a setting each.
+struct SamplingCase {
+  const char* text;
+  SamplerOptions o;
+};
+std::vector<SamplingCase> sampling_cases() {
+  return {
+      {"def merge_sorted(a, b):\n    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n        if ",
+       sopts(1.0f, 8)},
+      {"def load(path):\n    with open(path) as f:\n        ", sopts(0.8f, 24, 0.9f)},
+      {"class Stack:\n    def __init__(self):\n        self.items = []\n\n    def ", sopts(1.3f, 40, 0.8f)},
+  };
+}
+
+// For each case: the exact law of the first two tokens (two_token_law_as_decoded: the
+// rows as generate() feeds them), then the counts of plain sampling, of DSpark with the
+// drafter's own sampled drafts (k chosen by the default schedule) and of DSpark with an
+// oracle that drafts the law's likeliest continuation (point-mass q, static K = block,
+// as the CPU test's oracle), each over `draws` generations (TwoTokenLanes: 16 plain or
+// 5 DSpark sequences per step); the chi-square p-values. Adds the DSpark draws to *n.
+void sampling_matches_plain(Engine& eng, const Drafter& d, const std::string& what, int draws, int64_t* n) {
+  const text::Tokenizer tok = text::Tokenizer::from_model_dir(trained_dir());
+  const int B = d.block_size();
+  for (const SamplingCase& c : sampling_cases()) {
+    const std::vector<int32_t> prompt = tok.encode(c.text, true);
+    const int64_t P = static_cast<int64_t>(prompt.size());
+    const SamplerOptions o = c.o;
+    const std::string at = what + ", " + describe(o);
+    auto t0 = std::chrono::steady_clock::now();
+    const TwoTokenLaw L = two_token_law_as_decoded(eng, prompt, o);
+    const double top1 = *std::max_element(L.p1.begin(), L.p1.end());
+    double top_cell = 0;
+    for (const auto& [k, p] : L.cells) top_cell = std::max(top_cell, p);
+    std::printf("[cuda dspark sampling] %s, prompt of %lld tokens: %zu first tokens, %zu pairs (likeliest first token "
+                "%.3f, pair %.3f; law %.2f s)\n",
+                at.c_str(), static_cast<long long>(P), L.first.size(), L.cells.size(), top1, top_cell,
+                seconds_since(t0));
+    TwoTokenLanes lanes(eng, d, prompt, 16);
+    std::vector<double> probs;
+    const TwoTokenLanes::Run rp = lanes.run(o, nullptr, draws, 0);
+    const Chi2 cp = chi2(cell_counts(rp.pairs, L, probs), probs);
+    std::printf("[cuda dspark sampling] %s, plain: %d draws, chi2 %.1f, dof %d, p %.3f (%lld steps, %.1f s)\n", at.c_str(),
+                draws, cp.stat, cp.dof, cp.p, static_cast<long long>(rp.steps), rp.seconds);
+    EXPECT_GT(cp.p, kMinP) << at << ", plain";
+    for (int mode = 0; mode < 2; ++mode) {
+      DSparkOptions dopt;
+      if (mode == 1) {  // the likeliest continuation of the law's tables, point-mass q
+        dopt.schedule.static_k = B;
+        dopt.draft_hook = [&L, P](int64_t at_n, DSparkDraft& dr) {
+          auto best = [](const std::vector<double>& p) {
+            return static_cast<int32_t>(std::max_element(p.begin(), p.end()) - p.begin());
+          };
+          if (at_n == P - 1) {
+            dr.tokens[0] = best(L.p1);
+            dr.tokens[1] = best(L.p2.at(dr.tokens[0]));
+          } else if (at_n == P && L.p2.count(dr.prev[0])) {
+            dr.tokens[0] = best(L.p2.at(dr.prev[0]));
+          }
+        };
+      }
+      const TwoTokenLanes::Run r = lanes.run(o, &dopt, draws, 1000000 * static_cast<uint64_t>(mode + 1));
+      const Chi2 cd = chi2(cell_counts(r.pairs, L, probs), probs);
+      const DSparkStats& x = r.stats;
+      std::string hist;
+      for (size_t j = 0; j < x.accepted_hist.size() && j <= 2; ++j) hist += cat(" ", j, ":", x.accepted_hist[j]);
+      std::printf("[cuda dspark sampling] %s, DSpark %s: %d draws, chi2 %.1f, dof %d, p %.3f; %lld cycles, %.3f "
+                  "accepted drafts per cycle, %lld of %lld verified drafts accepted, cycles by accepted drafts%s "
+                  "(%lld steps, %.1f s)\n",
+                  at.c_str(), mode == 0 ? "own sampled drafts, k chosen" : "oracle point-mass drafts, static K",
+                  draws, cd.stat, cd.dof, cd.p, static_cast<long long>(x.cycles), x.accepted_per_cycle(),
+                  static_cast<long long>(x.accepted), static_cast<long long>(x.verified), hist.c_str(),
+                  static_cast<long long>(r.steps), r.seconds);
+      EXPECT_GT(cd.p, kMinP) << at << ", DSpark mode " << mode;
+      EXPECT_GT(x.accepted, 0) << at << ", DSpark mode " << mode << ": no draft was accepted";
+      *n += draws;
+    }
+  }
+}
+
+void sampling_on_cuda(const std::string& precision) {
+  const std::string dir = trained_dir();
+  if (!std::filesystem::exists(dir + "/model.safetensors")) GTEST_SKIP() << "no trained model";
+  EngineOptions o;
+  o.backend = "cuda";
+  o.precision = precision;
+  o.max_context = 256;
+  auto eng = load_engine(dir, o);
+  const auto d = load_drafter(dir, *eng);
+  ASSERT_EQ(d->backend_name(), "cuda");
+  int64_t n = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  sampling_matches_plain(*eng, *d, "cuda " + precision, sampling_draws(), &n);
+  std::printf("[cuda dspark sampling %s] %lld DSpark draws in %.1f s\n", precision.c_str(), static_cast<long long>(n),
+              seconds_since(t0));
+}
+
+}  // namespace
+
+TEST(CudaDSpark, SamplingMatchesPlainFp32) {
+  SKIP_WITHOUT_GPU();
+  sampling_on_cuda("fp32");
+}
+
+TEST(CudaDSpark, SamplingMatchesPlainBf16) {
+  SKIP_WITHOUT_GPU();
+  sampling_on_cuda("bf16");
 }
 
 #endif  // DSX_HAVE_CUDA

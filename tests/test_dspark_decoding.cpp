@@ -18,7 +18,8 @@
 //     scheduler (0.85 / 0.15) are rejected by the same statistics;
 //   - choose_k: static, threshold, cost rule, non-anticipation (confidences after the
 //     first failing row never change k); the CLI's --dspark.
-// Statistical tests use fixed seeds (deterministic); see kMinP for the threshold.
+// Statistical tests use fixed seeds (deterministic); see kMinP for the threshold. The
+// laws and the chi-square statistics are in dspark_law.h (shared with the CUDA test).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -37,9 +38,11 @@
 #include "runtime/generate.h"
 #include "runtime/sampler.h"
 #include "test_util.h"
+#include "dspark_law.h"
 #include "util/error.h"
 
 using namespace dsx;
+using namespace dspark_law;  // (the laws and statistics shared with test_cuda_dspark.cpp)
 
 namespace {
 
@@ -88,18 +91,6 @@ std::vector<int32_t> random_prompt(uint32_t seed, int n, int V) {
     p.push_back(3 + static_cast<int32_t>((r >> 8) % static_cast<uint32_t>(V - 8)));
   }
   return p;
-}
-
-GenerateOptions no_stop(int64_t n) {
-  GenerateOptions o;
-  o.max_tokens = n;
-  o.stop_ids.clear();
-  return o;
-}
-
-std::vector<int32_t> concat(std::vector<int32_t> a, const std::vector<int32_t>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
 }
 
 // Plain greedy continuation (the reference) of a prompt.
@@ -152,89 +143,6 @@ void expect_state_is_of_tokens(Engine& e, Session& s, const std::vector<int32_t>
   }
 }
 
-double seconds_since(std::chrono::steady_clock::time_point t) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
-}
-
-// ---- statistics ---------------------------------------------------------------------------
-
-// Regularized upper incomplete gamma Q(a, x) (Numerical Recipes gammq).
-double gamma_q(double a, double x) {
-  if (x <= 0) return 1.0;
-  const double gln = std::lgamma(a);
-  if (x < a + 1) {
-    double ap = a, sum = 1.0 / a, del = sum;
-    for (int n = 0; n < 10000; ++n) {
-      ap += 1;
-      del *= x / ap;
-      sum += del;
-      if (std::fabs(del) < std::fabs(sum) * 1e-15) break;
-    }
-    return std::max(0.0, 1.0 - sum * std::exp(-x + a * std::log(x) - gln));
-  }
-  double b = x + 1 - a, c = 1e300, d = 1 / b, h = d;
-  for (int i = 1; i < 10000; ++i) {
-    const double an = -i * (i - a);
-    b += 2;
-    d = an * d + b;
-    if (std::fabs(d) < 1e-300) d = 1e-300;
-    c = b + an / c;
-    if (std::fabs(c) < 1e-300) c = 1e-300;
-    d = 1 / d;
-    const double del = d * c;
-    h *= del;
-    if (std::fabs(del - 1) < 1e-15) break;
-  }
-  return std::exp(-x + a * std::log(x) - gln) * h;
-}
-
-// Chi-square goodness of fit of counts against probabilities (N draws): cells of expected
-// count < 5 are pooled (smallest first) until the pool reaches 5. Returns the p-value; 0
-// when a cell of probability 0 has a count (impossible under the law).
-struct Chi2 {
-  double stat = 0, p = 1;
-  int dof = 0;
-};
-Chi2 chi2(const std::vector<int64_t>& counts, const std::vector<double>& probs) {
-  int64_t N = 0;
-  for (int64_t c : counts) N += c;
-  Chi2 r;
-  std::vector<std::pair<double, int64_t>> cells;  // expected, observed
-  for (size_t i = 0; i < counts.size(); ++i) {
-    if (probs[i] <= 0) {
-      if (counts[i] > 0) {
-        r.p = 0;
-        r.stat = INFINITY;
-        return r;
-      }
-      continue;
-    }
-    cells.push_back({probs[i] * static_cast<double>(N), counts[i]});
-  }
-  std::sort(cells.begin(), cells.end());
-  std::vector<std::pair<double, int64_t>> merged;
-  double pe = 0;
-  int64_t po = 0;
-  size_t i = 0;
-  for (; i < cells.size() && cells[i].first < 5; ++i) {
-    pe += cells[i].first;
-    po += cells[i].second;
-    if (pe >= 5) {
-      merged.push_back({pe, po});
-      pe = 0, po = 0;
-    }
-  }
-  for (; i < cells.size(); ++i) merged.push_back(cells[i]);
-  if (pe > 0) {
-    if (merged.empty()) merged.push_back({pe, po});
-    else merged.front().first += pe, merged.front().second += po;
-  }
-  for (const auto& [e, o] : merged) r.stat += (o - e) * (o - e) / e;
-  r.dof = static_cast<int>(merged.size()) - 1;
-  r.p = r.dof > 0 ? gamma_q(r.dof / 2.0, r.stat / 2.0) : 1.0;
-  return r;
-}
-
 std::vector<float> random_logits(std::mt19937_64& g, int V, float scale) {
   std::normal_distribution<float> n(0.0f, scale);
   std::vector<float> l(static_cast<size_t>(V));
@@ -246,18 +154,6 @@ std::vector<double> dist(const std::vector<float>& l, const SamplerOptions& o) {
   std::vector<double> p(l.size());
   sampling_distribution(l.data(), static_cast<int64_t>(l.size()), o, p.data());
   return p;
-}
-
-SamplerOptions sopts(float T, int top_k = 0, float top_p = 1.0f) {
-  SamplerOptions o;
-  o.temperature = T;
-  o.top_k = top_k;
-  o.top_p = top_p;
-  return o;
-}
-
-std::string describe(const SamplerOptions& o) {
-  return cat("T=", o.temperature, " top_k=", o.top_k, " top_p=", o.top_p);
 }
 
 }  // namespace
@@ -866,94 +762,6 @@ TEST(DSparkDecoding, VerifierBlockEmitsTargetJointLaw) {
 // ======================================================================================
 // Sampling end to end
 // ======================================================================================
-
-namespace {
-
-// The law of the first two tokens after a prompt under plain sampling, exactly: the
-// engine's logits after the prompt and after the prompt and each possible first token,
-// through an independent full-sort transform (Sampler::sample's definition, as
-// test_sampler.cpp's plain_sample, but returning probabilities).
-std::vector<double> reference_probs(const std::vector<float>& l, const SamplerOptions& o) {
-  const int64_t n = static_cast<int64_t>(l.size());
-  std::vector<float> w(l.size());
-  sample_weights(l.data(), n, o.temperature, w.data());
-  std::vector<int32_t> S;
-  for (int64_t i = 0; i < n; ++i)
-    if (w[static_cast<size_t>(i)] > 0.0f) S.push_back(static_cast<int32_t>(i));
-  std::sort(S.begin(), S.end(), [&](int32_t a, int32_t b) { return l[a] > l[b] || (l[a] == l[b] && a < b); });
-  if (o.top_k > 0 && o.top_k < static_cast<int>(S.size())) S.resize(static_cast<size_t>(o.top_k));
-  double sum = 0;
-  for (int32_t i : S) sum += w[static_cast<size_t>(i)];
-  size_t keep = S.size();
-  double c = 0;
-  for (size_t i = 0; i < S.size() && o.top_p < 1.0f; ++i) {
-    c += w[static_cast<size_t>(S[i])] / sum;
-    if (c >= o.top_p) {
-      keep = i + 1;
-      break;
-    }
-  }
-  double tot = 0;
-  for (size_t i = 0; i < keep; ++i) tot += w[static_cast<size_t>(S[i])];
-  std::vector<double> p(l.size());
-  for (size_t i = 0; i < keep; ++i) p[static_cast<size_t>(S[i])] = w[static_cast<size_t>(S[i])] / tot;
-  return p;
-}
-
-struct TwoTokenLaw {
-  std::vector<int32_t> first;                 // the first token's support
-  std::vector<double> p1;                     // [V]
-  std::map<int32_t, std::vector<double>> p2;  // first token -> [V]
-  std::map<std::pair<int32_t, int32_t>, double> cells;
-};
-
-TwoTokenLaw two_token_law(Engine& e, const std::vector<int32_t>& prompt, const SamplerOptions& o) {
-  const int64_t V = e.config().vocab_size;
-  TwoTokenLaw L;
-  std::vector<float> l(static_cast<size_t>(V));
-  auto s = e.new_session();
-  s->sync(prompt, l.data());
-  L.p1 = reference_probs(l, o);
-  for (int32_t a = 0; a < V; ++a) {
-    if (L.p1[static_cast<size_t>(a)] <= 0) continue;
-    L.first.push_back(a);
-    s->sync(concat(prompt, {a}), l.data());
-    L.p2[a] = reference_probs(l, o);
-    for (int32_t b = 0; b < V; ++b)
-      if (L.p2[a][static_cast<size_t>(b)] > 0) L.cells[{a, b}] = L.p1[static_cast<size_t>(a)] * L.p2[a][static_cast<size_t>(b)];
-  }
-  return L;
-}
-
-// Counts of the first two tokens over `draws` generate() calls with seeds 0 .., on one
-// session (each call's prefill goes back to the prompt), in the law's cell order.
-std::vector<int64_t> sample_two(Engine& e, const std::vector<int32_t>& prompt, SamplerOptions o, DecodingStrategy& st,
-                                const TwoTokenLaw& L, int draws, uint64_t seed0, std::vector<double>& probs) {
-  std::map<std::pair<int32_t, int32_t>, int64_t> c;
-  auto s = e.new_session();
-  GenerateOptions go = no_stop(3);  // (the first cycle verifies up to 2 drafts)
-  for (int i = 0; i < draws; ++i) {
-    go.sampling = o;
-    go.sampling.seed = seed0 + static_cast<uint64_t>(i);
-    const GenerateResult r = generate(*s, prompt, go, st);
-    EXPECT_EQ(r.ids.size(), 3u);
-    ++c[{r.ids[0], r.ids[1]}];
-  }
-  std::vector<int64_t> counts;
-  probs.clear();
-  int64_t outside = 0;
-  for (const auto& [k, n] : c)
-    if (!L.cells.count(k)) outside += n;
-  for (const auto& [k, p] : L.cells) {
-    probs.push_back(p);
-    counts.push_back(c.count(k) ? c[k] : 0);
-  }
-  probs.push_back(0);  // (an impossible pair fails the test)
-  counts.push_back(outside);
-  return counts;
-}
-
-}  // namespace
 
 // The first two sampled tokens after a fixed prompt follow the exact law of plain
 // sampling with DSpark (the model's sampled drafts; point-mass drafts from an oracle
