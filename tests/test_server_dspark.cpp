@@ -463,4 +463,37 @@ TEST(ServerDSpark, MetricsWhileDecodingAreSafe) {
   EXPECT_GT(a.metric("dsx_session_state_bytes"), 0) << "the worker publishes its sessions' state";
 }
 
+// stop() at any moment of the start, also before the accept loop runs (httplib's own
+// stop() does nothing then, and the loop never ended: a test that made no request, or a
+// SIGTERM right after the start, hung in join / listen forever).
+TEST(ServerDSpark, StopRightAfterTheStartReturns) {
+  NEED_MODEL();
+  const text::Tokenizer tok = text::Tokenizer::from_model_dir(kModel);
+  EngineOptions o;
+  o.max_context = 1024;
+  auto eng = load_engine(kModel, o);
+  std::atomic<bool> finished{false};
+  std::thread watchdog([&] {
+    for (int i = 0; i < 600 && !finished.load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    if (!finished.load()) {
+      std::fprintf(stderr, "ServerDSpark.StopRightAfterTheStartReturns: a stopped server did not return in 60 s\n");
+      std::_Exit(1);
+    }
+  });
+  for (int i = 0; i < 100; ++i) {
+    server::ServeOptions so;
+    so.port = 0;
+    so.scheduler.log = [](const std::string&) {};
+    server::HttpServer srv(*eng, tok, so);
+    ASSERT_TRUE(srv.bind());
+    std::thread th([&] { srv.listen_after_bind(); });
+    if (i % 4 == 1) std::this_thread::sleep_for(std::chrono::microseconds(50 * i));  // (also mid-start)
+    if (i % 4 == 3) srv.stop();  // (before the thread may even run)
+    srv.stop();
+    th.join();
+  }
+  finished.store(true);
+  watchdog.join();
+}
+
 #endif  // DSX_HAVE_HTTP

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdio>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "server/api_messages.h"
 #include "server/api_models.h"
@@ -47,7 +48,17 @@ HttpServer::~HttpServer() {
 }
 
 void HttpServer::stop() {
-  if (http_) http_->stop();
+  bool started;
+  {
+    std::lock_guard<std::mutex> lk(listen_mu_);
+    stop_requested_ = true;
+    started = listen_started_;
+  }
+  if (http_ && started) {
+    // the accept loop may be starting: httplib's stop() only ends a running one
+    while (!http_->is_running() && !listen_returned_.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    http_->stop();
+  }
   if (sched_) sched_->shutdown();
 }
 
@@ -61,7 +72,15 @@ bool HttpServer::bind() {
   return true;
 }
 
-void HttpServer::listen_after_bind() { http_->listen_after_bind(); }
+void HttpServer::listen_after_bind() {
+  {
+    std::lock_guard<std::mutex> lk(listen_mu_);
+    if (stop_requested_) return;  // (stopped before it started)
+    listen_started_ = true;
+  }
+  http_->listen_after_bind();
+  listen_returned_.store(true);
+}
 
 void HttpServer::listen() {
   if (!bind()) fail("cannot listen on ", o_.host, ":", o_.port, " (address in use or not available?)");

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "runtime/engine.h"
@@ -60,6 +61,11 @@ class HttpServer {
   std::unique_ptr<httplib::Server> http_;
   int bound_port_ = 0;
   std::atomic<int64_t> http_requests_{0}, http_errors_{0}, next_id_{1};
+  // stop() before, during or after the start of listen_after_bind() (httplib's own stop()
+  // does nothing before its accept loop runs, which then never ends)
+  std::mutex listen_mu_;
+  bool stop_requested_ = false, listen_started_ = false;
+  std::atomic<bool> listen_returned_{false};
 };
 
 }  // namespace dsx::server
