@@ -97,15 +97,15 @@ case $phase in
       python3 -u train/data/eval_agents.py -m $m --dsx /tmp/g/gpubin/dsx --backend cuda --precision bf16 \
         --limit "${DSX_EVAL_PROMPTS:-200}" --shard $k/8 --out $L/eval_agents_$k.jsonl >$L/eval_agents_$k.txt 2>&1 &
     done
-    timeout "${DSX_EVAL_DSPARK_S:-90}" python3 -u train/eval_dspark.py --model "$m" --text $T/data/heldout_code.txt \
-      --device cuda --prompts 32 --prompt-len 256 --gen-len 128 --json $L/eval_dspark.json >$L/eval_dspark.txt 2>&1 &
     for p in fp32 bf16; do
       /tmp/g/gpubin/dsx perplexity -m "$m" -f $T/data/heldout_code.txt --ctx 1024 --backend cuda --precision $p \
         --quiet >$L/ppl_$p.txt 2>&1; echo "$p: $(tr '\n' ' ' <$L/ppl_$p.txt)"
     done
     /tmp/g/gpubin/dsx perplexity -m "$init" -f $T/data/heldout_code.txt --ctx 1024 --backend cuda --precision fp32 \
       --quiet >$L/ppl_init_fp32.txt 2>&1; echo "init fp32: $(tr '\n' ' ' <$L/ppl_init_fp32.txt)"
-    wait
+    wait  # (eval_dspark.py beside the 8 shards got too little of the GPU to finish in 70 s)
+    timeout "${DSX_EVAL_DSPARK_S:-90}" python3 -u train/eval_dspark.py --model "$m" --text $T/data/heldout_code.txt \
+      --device cuda --prompts 32 --prompt-len 256 --gen-len 128 --json $L/eval_dspark.json >$L/eval_dspark.txt 2>&1
     tail -n 4 $L/eval_dspark.txt
     python3 - "$L" <<'PY'
 import glob, json, sys

@@ -3,6 +3,9 @@
     /usr/bin/python3 train/train_target.py --device cuda --max-minutes 8 --steps 100000 \
         --cmap train/out/engram_cmap.safetensors --out train/out/target
     /usr/bin/python3 train/train_target.py --smoke          (CPU, < 1 minute, every code path)
+    ... --init assets/dsx-small-v41 --token-classes C.bin --class-weights 1,1,3,12   (a fine-tune:
+        the exported checkpoint's config and weights, its mtp.* stages carried into the export;
+        the loss a per-token weighted mean by the class of each target token)
 
 Inputs (agent D's data, train/out/):
   data/train.bin, data/val.bin   uint16 little-endian token ids, documents concatenated,
