@@ -36,6 +36,7 @@
 #include "runtime/engine.h"
 #include "server/http.h"
 #include "test_util.h"
+#include "test_watchdog.h"
 #include "text/tokenizer.h"
 
 using namespace dsx;
@@ -146,6 +147,15 @@ struct Server {
       if (c0["finish_reason"].is_string()) finish = c0["finish_reason"];
     }
     return {text, finish};
+  }
+  // What the server holds (for a watchdog's report): its request log and its metrics.
+  std::string report(const char* name) {
+    std::string r = cat("--- server ", name, ": request log\n");
+    {
+      std::lock_guard<std::mutex> g(log.mu);
+      for (const auto& l : log.lines) r += l + "\n";
+    }
+    return r + cat("--- server ", name, ": metrics\n", srv->metrics_text());
   }
   double metric(const std::string& name) const {
     httplib::Client c("127.0.0.1", port);
@@ -274,6 +284,8 @@ TEST(ServerDSpark, StopsInsideBlocksAndFollowUps) {
 TEST(ServerDSpark, ConcurrentMixedRows) {
   NEED_MODEL();
   Server a(true, 4), b(false, 4);
+  // (alone ~11 s on the 2-core machine; CI once saw it pass ctest's 600 s silently)
+  dsx_test::Watchdog dog(300, [&] { return a.report("a (dspark)") + b.report("b (plain)"); });
   const json schema = {{"type", "object"},
                        {"properties", {{"name", {{"type", "string"}}}, {"age", {{"type", "integer"}}}}},
                        {"required", {"name", "age"}}};

@@ -47,10 +47,10 @@ class HttpServer {
   void stop();
   bool bind();  // binds only (tests: then listen_after_bind()); false when it cannot
   void listen_after_bind();
+  std::string metrics_text() const;  // (what GET /metrics answers)
 
  private:
   void routes();
-  std::string metrics_text() const;
 
   Engine& eng_;
   const text::Tokenizer& tok_;
