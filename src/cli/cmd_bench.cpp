@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cli/bench_dspark.h"
+#include "cli/gpus_option.h"
 #include "cli/registry.h"
 #include "runtime/bench_report.h"
 #include "model/cost_model.h"
@@ -129,7 +130,7 @@ int cmd_bench(int argc, char** argv) {
   Args a(argc, argv,
          {"-m", "--backend", "--precision", "--threads", "--frontiers", "--chunk", "--decode-tokens", "--csv", "--svg",
           "--seed", "--synthetic", "--layers", "--prefill-max", "--rows", "--iters", "--dspark-tokens",
-          "--dspark-prompts", "--dspark-per-category"},
+          "--dspark-prompts", "--dspark-per-category", "--gpus"},
          {"--batch", "--dspark"});
   // Intervals longer than --prefill-max tokens are prefilled only for their last
   // --prefill-max tokens; the rest is filled with random cache contents
@@ -146,6 +147,8 @@ int cmd_bench(int argc, char** argv) {
   const int64_t ndec = a.get_int("--decode-tokens", 16);
   std::unique_ptr<Engine> eng;
   const bool synthetic = a.has("--synthetic");
+  apply_gpus_option(a, o);
+  if (synthetic && o.expert_ranks > 1) fail("--gpus ", o.expert_ranks, ": the synthetic model runs on one GPU (multi-GPU CUDA execution is not built yet)");
   [[maybe_unused]] const int layers = static_cast<int>(a.get_int("--layers", 4));
 #ifdef DSX_HAVE_CUDA
   ModelConfig syn_cfg;
@@ -168,7 +171,10 @@ int cmd_bench(int argc, char** argv) {
 #else
   if (synthetic) fail("--synthetic needs the CUDA backend (this build has none)");
 #endif
-  if (!eng) eng = load_engine(a.require("-m"), o);
+  if (!eng) {
+    eng = load_engine(a.require("-m"), o);
+    print_placement_at_load(*eng, o);
+  }
   [[maybe_unused]] double copy_bw = 0, bytes40_per_layer_ratio = 0;
   [[maybe_unused]] int64_t weight_bytes_step = 0;
 #ifdef DSX_HAVE_CUDA

@@ -1,11 +1,17 @@
-// Model commands: logits, generate, info.
+// Model commands: logits, generate, and `model plan` (the multi-GPU placement).
+#include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
-#include "cli/manifest.h"
+#include "cache/disk_cache.h"
 #include "cli/dspark_option.h"
+#include "cli/gpus_option.h"
+#include "cli/manifest.h"
 #include "cli/registry.h"
+#include "model/placement.h"
+#include "model/release_config.h"
 #include "runtime/engine.h"
 #include "runtime/generate.h"
 #include "util/error.h"
@@ -16,13 +22,14 @@ namespace dsx::cli {
 
 namespace {
 
-const std::vector<std::string> kEngineOpts = {"--backend", "--precision", "--threads"};
+const std::vector<std::string> kEngineOpts = {"--backend", "--precision", "--threads", "--gpus"};
 
 EngineOptions engine_options(const Args& a) {
   EngineOptions o;
   o.backend = a.get_or("--backend", "cpu");
   o.precision = a.get_or("--precision", "fp32");
   if (a.has("--threads")) set_num_threads(static_cast<int>(a.get_int("--threads", 0)));
+  apply_gpus_option(a, o);
   return o;
 }
 
@@ -90,9 +97,10 @@ void generate_usage() {
       "  --backend cpu|cuda  (default cpu)\n"
       "  --precision fp32|bf16  CUDA precision (default fp32)\n"
       "  --threads N         CPU threads\n"
+      "%s"
       "  --manifest FILE     write a reproducibility manifest (dsx manifest verify FILE)\n"
       "  -h, --help          this text\n",
-      kDSparkHelp);
+      kDSparkHelp, kGpusHelp);
 }
 
 int cmd_generate(int argc0, char** argv0) {
@@ -119,7 +127,9 @@ int cmd_generate(int argc0, char** argv0) {
   go.sampling.seed = static_cast<uint64_t>(a.get_int("--seed", 0));
   go.max_tokens = n;
   if (!a.has("--stop-eos")) go.stop_ids.clear();
-  auto eng = load_engine(dir, engine_options(a));
+  const EngineOptions eo = engine_options(a);
+  auto eng = load_engine(dir, eo);
+  print_placement_at_load(*eng, eo);
   auto s = eng->new_session();
   const DSparkSetup ds = setup_dspark(dspark, dir, *eng);
   PlainDecoding plain;
@@ -137,8 +147,72 @@ int cmd_generate(int argc0, char** argv0) {
   return 0;
 }
 
+void model_usage() {
+  std::printf(
+      "usage: dsx model plan --gpus N[,N...] (-m DIR | --release) [options]\n"
+      "\n"
+      "Prints where the weights and the session state of a V4.1 model live on N GPUs with expert\n"
+      "parallelism (docs/multi-gpu.md): routed experts sharded in contiguous id ranges, everything\n"
+      "else replicated, the Engram tables in host memory; bytes per GPU from the on-disk dtypes, the\n"
+      "state per GPU, whether it fits, and the bytes one decoded token reads on the busiest rank.\n"
+      "\n"
+      "options:\n"
+      "  --gpus N[,N...]     GPU counts to plan for (e.g. 2,4,8)\n"
+      "  -m DIR              the model directory (its config.json)\n"
+      "  --release           the V4.1 Flash release configuration (spec model-v41.md §1.2)\n"
+      "  --gpu-mem BYTES     memory of one GPU (default 141G, an H200)\n"
+      "  --reserve BYTES     kept free per GPU for the CUDA context, workspaces, NCCL (default 6G)\n"
+      "  --ctx N             tokens of context per session, for the fit (default 65536)\n"
+      "  --sessions N        resident sessions, for the fit (default 1)\n"
+      "  --no-dspark         leave the DSpark stages out (they are resident by default)\n"
+      "  -h, --help          this text\n");
+}
+
+int cmd_model(int argc, char** argv) {
+  Args a(argc, argv, {"-m", "--gpus", "--gpu-mem", "--reserve", "--ctx", "--sessions"},
+         {"--release", "--no-dspark", "-h", "--help"});
+  if (a.has("-h") || a.has("--help") || a.positional().empty()) {
+    model_usage();
+    return a.positional().empty() && !(a.has("-h") || a.has("--help")) ? 2 : 0;
+  }
+  if (a.positional()[0] != "plan") fail("dsx model: unknown subcommand '", a.positional()[0], "' (known: plan)");
+  if (a.positional().size() > 1) fail("dsx model plan: unexpected argument '", a.positional()[1], "'");
+  if (a.has("-m") == a.has("--release")) fail("dsx model plan: give exactly one of -m DIR and --release");
+  const ModelConfig cfg = a.has("--release") ? release_v41_flash_config() : load_model_config(a.require("-m"));
+  const std::string title = a.has("--release") ? "the V4.1 Flash release" : a.require("-m");
+  PlacementOptions po;
+  if (a.has("--gpu-mem")) po.gpu_bytes = parse_byte_size(a.require("--gpu-mem"));
+  if (a.has("--reserve")) po.reserve_bytes = parse_byte_size(a.require("--reserve"));
+  po.context = a.get_int("--ctx", po.context);
+  po.sessions = static_cast<int>(a.get_int("--sessions", po.sessions));
+  po.dspark = !a.has("--no-dspark");
+  if (po.context < 0) fail("--ctx must not be negative");
+  if (po.sessions < 0) fail("--sessions must not be negative");
+  std::vector<int> counts;
+  {
+    const std::string v = a.require("--gpus");
+    size_t i = 0;
+    while (i <= v.size()) {
+      const size_t j = std::min(v.find(',', i), v.size());
+      const std::string item = v.substr(i, j - i);
+      char* end = nullptr;
+      const long n = std::strtol(item.c_str(), &end, 10);
+      if (item.empty() || !end || *end) fail("--gpus: '", item, "' is not a number of GPUs");
+      counts.push_back(static_cast<int>(std::max(-1L, std::min(n, 1L << 20))));
+      i = j + 1;
+    }
+  }
+  for (size_t k = 0; k < counts.size(); ++k) {
+    const PlacementPlan p = plan_placement(cfg, counts[k], po);
+    std::printf("%s%s", k ? "\n" : "", format_placement(p, title).c_str());
+  }
+  return 0;
+}
+
 }  // namespace
 
+DSX_COMMAND("model", "model facts: plan (the multi-GPU placement: dsx model plan --gpus N -m DIR | --release)",
+            cmd_model);
 DSX_COMMAND("logits", "write the logits of every position of a prompt (safetensors)", cmd_logits);
 DSX_COMMAND("generate", "continue a prompt of token ids, printing the new ids", cmd_generate);
 

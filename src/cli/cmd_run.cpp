@@ -10,6 +10,7 @@
 
 #include "cli/manifest.h"
 #include "cli/dspark_option.h"
+#include "cli/gpus_option.h"
 #include "cli/registry.h"
 #include "runtime/engine.h"
 #include "runtime/generate.h"
@@ -26,7 +27,8 @@ namespace {
 
 const std::vector<std::string> kValueOpts = {"-m",       "-p",        "-f",      "-n",     "--system",
                                              "--thinking", "--temperature", "--top-p", "--top-k", "--seed",
-                                             "--backend", "--precision", "--threads", "--stop", "--manifest"};
+                                             "--backend", "--precision", "--threads", "--stop", "--manifest",
+                                             "--gpus"};
 const std::vector<std::string> kFlagOpts = {"--raw", "--show-prompt", "--stats", "-h", "--help"};
 
 void usage() {
@@ -56,11 +58,12 @@ void usage() {
       "  --precision fp32|bf16  CUDA precision (default fp32)\n"
       "  --threads N         CPU threads\n"
       "%s"
+      "%s"
       "  --stats             print token counts, timings and the finish reason to stderr\n"
       "                      (and DSpark's accepted drafts per cycle)\n"
       "  --manifest FILE     write a reproducibility manifest (dsx manifest verify FILE)\n"
       "  -h, --help          this text\n",
-      kDSparkHelp);
+      kGpusHelp, kDSparkHelp);
 }
 
 // Args keeps one value per option: the repeatable --stop values are taken out of argv
@@ -106,6 +109,7 @@ int cmd_run(int argc, char** argv) {
   o.backend = a.get_or("--backend", "cpu");
   o.precision = a.get_or("--precision", "fp32");
   if (a.has("--threads")) set_num_threads(static_cast<int>(a.get_int("--threads", 0)));
+  apply_gpus_option(a, o);
   text::Tokenizer tok = text::Tokenizer::from_model_dir(dir);
 
   std::vector<int32_t> ids;
@@ -142,6 +146,7 @@ int cmd_run(int argc, char** argv) {
   go.max_tokens = n;
   go.stop_strings = stops;
   auto eng = load_engine(dir, o);
+  print_placement_at_load(*eng, o);
   const ModelConfig& cfg = eng->config();
   for (int32_t id : ids)
     if (id >= cfg.vocab_size) fail("the tokenizer produced id ", id, " beyond the model's vocabulary (", cfg.vocab_size, ")");

@@ -12,6 +12,7 @@
 
 #include "cache/disk_cache.h"
 #include "cli/dspark_option.h"
+#include "cli/gpus_option.h"
 #include "cli/registry.h"
 #include "model/cost_model.h"
 #include "runtime/engine.h"
@@ -65,6 +66,7 @@ void usage() {
       "  --backend cpu|cuda     (cpu)\n"
       "  --precision fp32|bf16  (fp32)\n"
       "  --threads N            CPU threads\n"
+      "%s"
       "  --model-id ID          the id /v1/models reports (deepseek-v4.1-flash)\n"
       "  --effort E             default reasoning effort\n"
       "  --thinking auto|on|off whether requests think (auto: as each request asks)\n"
@@ -83,7 +85,7 @@ void usage() {
       "%s"
       "                      (in the server: every decoding request drafts, and its block is verified in\n"
       "                      the step shared with the others; requests under a constraint decode plain)\n",
-      kDSparkHelp);
+      kGpusHelp, kDSparkHelp);
 }
 
 // $XDG_CACHE_HOME/dsx/kv, else $HOME/.cache/dsx/kv; empty when neither is set.
@@ -99,7 +101,7 @@ int cmd_serve(int argc, char** argv) {
   const std::vector<std::string> value_opts = {
       "-m",          "--host",       "--port",      "--api-key",  "--ctx",       "--sessions",  "--backend",
       "--precision", "--threads",    "--model-id",  "--effort",   "--max-body",  "--keepalive", "--thinking",
-      "--max-output", "--kv-cache",  "--kv-cache-size", "--synthetic", "--layers", "--tokenizer"};
+      "--max-output", "--kv-cache",  "--kv-cache-size", "--synthetic", "--layers", "--tokenizer", "--gpus"};
   std::vector<char*> rest;
   const DSparkChoice dspark = take_dspark(argc, argv, value_opts, rest);
   Args a(static_cast<int>(rest.size()), rest.data(), value_opts,
@@ -138,6 +140,7 @@ int cmd_serve(int argc, char** argv) {
   o.max_context = a.get_int("--ctx", 65536);
   if (o.max_context < 256) fail("--ctx must be at least 256 tokens");
   if (synthetic) o.backend = "cuda";
+  apply_gpus_option(a, o);
   std::fprintf(stderr, "dsx serve: loading %s (%s)\n", synthetic ? "a synthetic model" : dir.c_str(),
                o.backend.c_str());
   o.progress = [](double f) {
@@ -165,6 +168,7 @@ int cmd_serve(int argc, char** argv) {
   } else {
     eng = load_engine(dir, o);
   }
+  print_placement_at_load(*eng, o);
   warm_up(*eng);
   // DSpark: the rule of dsx run (cli/dspark_option.h: on by default when the model has
   // stages); a synthetic model has none

@@ -297,13 +297,32 @@ Vec swiglu_hidden(const float* x, int64_t n, const QMatrix& w1, const QMatrix& w
 
 }  // namespace
 
+void add_routed_expert(const ModelConfig& cfg, const Vec& fq, int64_t e, const std::vector<int64_t>& tok,
+                       const Vec& wt, const ExpertWeights& w, MatmulFn matmul, const DownProj& down, Vec& out) {
+  if (tok.empty()) return;
+  const int64_t D = cfg.hidden;
+  const auto n = static_cast<int64_t>(tok.size());
+  const auto ue = static_cast<size_t>(e);
+  Vec x(static_cast<size_t>(n * D));
+  for (int64_t i = 0; i < n; ++i) std::memcpy(x.data() + i * D, fq.data() + tok[i] * D, static_cast<size_t>(D) * 4);
+  Vec g = swiglu_hidden(x.data(), n, w.w1[ue], w.w3[ue], cfg.swiglu_limit, wt.data(), matmul);
+  Vec y = down(g, n, w.w2[ue], e, tok.data());
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t d = 0; d < D; ++d) out[tok[i] * D + d] += y[i * D + d];
+}
+
+Vec shared_expert(const ModelConfig& cfg, const Vec& fq, int64_t T, const ExpertWeights& w, MatmulFn matmul,
+                  const DownProj& down) {
+  Vec g = swiglu_hidden(fq.data(), T, w.sw1, w.sw3, cfg.swiglu_limit, nullptr, matmul);
+  return down(g, T, w.sw2, -1, nullptr);
+}
+
 void experts(const ModelConfig& cfg, const Vec& fq, int64_t T, const std::vector<int32_t>& chosen, const Vec& weight,
              const ExpertWeights& w, MatmulFn matmul, const DownProj& down, Vec& out) {
   const int64_t D = cfg.hidden, E = cfg.n_routed_experts, K = cfg.n_experts_per_tok;
-  const float lim = cfg.swiglu_limit;
   out.assign(static_cast<size_t>(T * D), 0.0f);
   std::vector<int64_t> tok;
-  Vec wt, x;
+  Vec wt;
   for (int64_t e = 0; e < E; ++e) {
     tok.clear();
     wt.clear();
@@ -313,18 +332,9 @@ void experts(const ModelConfig& cfg, const Vec& fq, int64_t T, const std::vector
           tok.push_back(t);
           wt.push_back(weight[t * K + k]);
         }
-    if (tok.empty()) continue;
-    const auto n = static_cast<int64_t>(tok.size());
-    const auto ue = static_cast<size_t>(e);
-    x.resize(static_cast<size_t>(n * D));
-    for (int64_t i = 0; i < n; ++i) std::memcpy(x.data() + i * D, fq.data() + tok[i] * D, static_cast<size_t>(D) * 4);
-    Vec g = swiglu_hidden(x.data(), n, w.w1[ue], w.w3[ue], lim, wt.data(), matmul);
-    Vec y = down(g, n, w.w2[ue], e, tok.data());
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t d = 0; d < D; ++d) out[tok[i] * D + d] += y[i * D + d];
+    add_routed_expert(cfg, fq, e, tok, wt, w, matmul, down, out);
   }
-  Vec g = swiglu_hidden(fq.data(), T, w.sw1, w.sw3, lim, nullptr, matmul);
-  Vec y = down(g, T, w.sw2, -1, nullptr);
+  const Vec y = shared_expert(cfg, fq, T, w, matmul, down);
   for (int64_t i = 0; i < T * D; ++i) out[i] += y[i];
 }
 

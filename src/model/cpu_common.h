@@ -158,6 +158,13 @@ using DownProj =
 // g = fq W1ᵀ, u = fq W3ᵀ, times the routing weight before its down projection.
 void experts(const ModelConfig& cfg, const Vec& fq, int64_t T, const std::vector<int32_t>& chosen, const Vec& weight,
              const ExpertWeights& w, MatmulFn matmul, const DownProj& down, Vec& out);
+// The two parts of experts(), also used by the expert-parallel ranks (model/cpu/expert_shards.h):
+// out[tok[i]] += routed expert e's output for the chunk rows tok (ascending), weighted by
+// wt[i]; and the shared expert's output [T, D].
+void add_routed_expert(const ModelConfig& cfg, const Vec& fq, int64_t e, const std::vector<int64_t>& tok,
+                       const Vec& wt, const ExpertWeights& w, MatmulFn matmul, const DownProj& down, Vec& out);
+Vec shared_expert(const ModelConfig& cfg, const Vec& fq, int64_t T, const ExpertWeights& w, MatmulFn matmul,
+                  const DownProj& down);
 
 }  // namespace fwd
 }  // namespace dsx

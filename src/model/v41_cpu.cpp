@@ -9,11 +9,13 @@
 #include <cstring>
 #include <limits>
 
+#include "model/cpu/expert_shards.h"
 #include "model/cpu/linear.h"
 #include "model/cpu/ops.h"
 #include "model/cpu/quant.h"
 #include "model/cpu_common.h"
 #include "model/layer_plan.h"
+#include "model/placement.h"
 #include "util/error.h"
 #include "util/threadpool.h"
 
@@ -380,9 +382,21 @@ void V41Cpu::moe(int layer, Step& s, const Vec& f, Vec& out) const {
   if (s.dbg) s.dbg->router_experts[static_cast<size_t>(layer)] = chosen;
 
   Vec fq = qa8_rows(f, D, B);  // the w1/w3 input, shared by all experts of a token
-  fwd::experts(cfg_, fq, T, chosen, weight, {L.w1, L.w2, L.w3, L.sw1, L.sw2, L.sw3}, matmul,
-               [&](const Vec& g, int64_t n, const QMatrix& W, int64_t, const int64_t*) { return linear_q(g, n, W, B); },
-               out);
+  const fwd::DownProj down = [&](const Vec& g, int64_t n, const QMatrix& W, int64_t, const int64_t*) {
+    return linear_q(g, n, W, B);
+  };
+  if (expert_ranks_ == 1) {
+    fwd::experts(cfg_, fq, T, chosen, weight, {L.w1, L.w2, L.w3, L.sw1, L.sw2, L.sw3}, matmul, down, out);
+  } else {
+    // expert parallelism: per rank its experts' partial, combined in rank order
+    cpu::expert_parallel_moe(cfg_, fq, T, chosen, weight, {L.w1, L.w2, L.w3, L.sw1, L.sw2, L.sw3}, matmul, down,
+                             expert_ranks_, out);
+  }
+}
+
+void V41Cpu::set_expert_ranks(int ranks) {
+  (void)expert_ranges(cfg_.n_routed_experts, ranks);  // (throws naming a bad count)
+  expert_ranks_ = ranks;
 }
 
 // ---------------------------------------------------------------------------

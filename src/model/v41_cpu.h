@@ -37,6 +37,13 @@ class V41Cpu {
   KVState new_state(int rollback_depth = 16) const;
   const std::string& fingerprint() const { return fingerprint_; }
 
+  // Expert parallelism (issue 28, docs/multi-gpu.md): the MoE of every layer computed as
+  // `ranks` ranks would, each its own experts' partial output, combined in rank order
+  // (model/cpu/expert_shards.h). 1 (the default) is the one-rank path. Throws dsx::Error
+  // for ranks < 1 or more ranks than routed experts.
+  void set_expert_ranks(int ranks);
+  int expert_ranks() const { return expert_ranks_; }
+
   // Feeds ids[0..T) at positions st.pos.. and advances the state. Writes the logits
   // of every row ([T, vocab]) when all_rows, else of the last row only ([vocab]); none
   // when logits is null. taps (optional, [T, cfg.tap_width()]): the DSpark taps of every
@@ -65,6 +72,7 @@ class V41Cpu {
   EngramLayout engram_;
   RopeTable main_rope_, compress_rope_;
   std::string fingerprint_;
+  int expert_ranks_ = 1;
 };
 
 }  // namespace dsx

@@ -92,6 +92,11 @@ class CpuEngineOf : public Engine {
   CpuEngineOf(std::unique_ptr<M> m, EngineOptions o, const char* family)
       : Engine(std::move(o)), m_(std::move(m)) {
     const ModelConfig& c = m_->config();
+    if constexpr (std::is_same_v<M, V41Cpu>) {
+      m_->set_expert_ranks(opts_.expert_ranks);
+    } else if (opts_.expert_ranks != 1) {
+      fail("expert parallelism (", opts_.expert_ranks, " ranks) is built for V4.1 models only, not ", family);
+    }
     capacity_ = opts_.max_context > 0 ? opts_.max_context : (c.max_position > 0 ? c.max_position : int64_t{1} << 20);
     KVState st = m_->new_state(opts_.rollback_depth);
     id_.model_id = m_->fingerprint();
@@ -106,7 +111,10 @@ class CpuEngineOf : public Engine {
     budget_ = opts_.state_budget > 0 ? opts_.state_budget : default_cpu_budget();
   }
   const ModelConfig& config() const override { return m_->config(); }
-  std::string describe() const override { return cat("cpu f32 (", id_.family, "), ", num_threads(), " threads"); }
+  std::string describe() const override {
+    return cat("cpu f32 (", id_.family, "), ", num_threads(), " threads",
+               opts_.expert_ranks > 1 ? cat(", MoE as ", opts_.expert_ranks, " expert-parallel ranks") : "");
+  }
   std::string backend_name() const override { return "cpu"; }
   const StateIdentity& state_identity() const override { return id_; }
   std::unique_ptr<Session> new_session() override {

@@ -33,6 +33,9 @@ struct EngineOptions {
   int64_t state_budget = 0;        // bytes of session state for all sessions (0: backend default)
   int64_t checkpoint_every = 4096; // prefix sync keeps a checkpoint about every this many tokens (0: off)
   int max_checkpoints = 8;         // per session
+  // Expert parallelism over this many ranks (`--gpus N`; docs/multi-gpu.md). The CPU
+  // engine computes the ranks' MoE math in one process; the CUDA engine runs 1 only.
+  int expert_ranks = 1;
   // Loading progress (optional): the fraction of the model in place, from 0 to 1.
   std::function<void(double)> progress;
 };
