@@ -187,7 +187,8 @@ void DSparkContext::skip(const int32_t* ids, int64_t T) {
   d_->observe(*st_, nullptr, 0, end());  // (positions before end() not observed: holes)
 }
 
-int64_t DSparkContext::align(const int32_t* t, int64_t n) {
+int64_t DSparkContext::align(const int32_t* t, int64_t n, bool scan) {
+  if (!scan && end() == n && (n == 0 || tokens_.back() == t[n - 1])) return n;  // (already in step)
   const int64_t kept = keep_common_prefix(t, n);
   skip(t + kept, n - kept);
   return kept;
@@ -414,12 +415,7 @@ SyncResult DSparkDecoding::prefill(Session& s, const int32_t* ids, int64_t n) {
   return r;
 }
 
-void DSparkDecoding::align(Session& s) {
-  const int64_t n = s.position();
-  const std::vector<int32_t>& t = s.tokens();
-  if (ctx_->end() == n && (n == 0 || ctx_->tokens().back() == t.back())) return;
-  ctx_->align(t.data(), n);
-}
+void DSparkDecoding::align(Session& s) { ctx_->align(s.tokens().data(), s.position()); }
 
 void DSparkDecoding::next(Session& s, int32_t anchor, int64_t limit, std::vector<int32_t>& out) {
   align(s);

@@ -143,7 +143,11 @@ class DSparkContext {
   void skip(const int32_t* ids, int64_t T);
   // To a committed sequence tokens[0..n) (a session's): keeps the common prefix, the
   // rest of the n positions become holes; returns the positions kept with their rows.
-  int64_t align(const int32_t* tokens, int64_t n);
+  // A context that already ends at n on the same last token is taken as in step (its
+  // owner extends and truncates it with the session), without a scan: call it freely.
+  // scan: compare the whole prefix anyway (after the session's state was replaced, e.g.
+  // restored from disk, the context may hold another sequence of the same length).
+  int64_t align(const int32_t* tokens, int64_t n, bool scan = false);
   // Ring rows an anchor at end() sees (W of them when there is no hole).
   int64_t context_rows() const { return st_->context_rows(end()); }
   int64_t bytes() const { return st_->bytes() + static_cast<int64_t>(tokens_.capacity()) * 4; }

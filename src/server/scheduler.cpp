@@ -447,7 +447,7 @@ void Scheduler::begin_prefill(Active& a) {
     sl.forget_after(s.position());
   }
   // the rings: what they hold of the kept prefix stays, the rest are holes
-  if (sl.ctx) sl.ctx->align(s.tokens().data(), s.position());
+  if (sl.ctx) sl.ctx->align(s.tokens().data(), s.position(), /*scan=*/true);
   a.usage.cached_tokens = reused;
   a.saves = save_points(p, s.position(), goal, reused < o_.kv.min_tokens);
 }
@@ -514,7 +514,7 @@ int64_t Scheduler::output_left(const Active& a, int64_t pos) const {
 void Scheduler::prefill_with_taps(Slot& sl, const int32_t* ids, int64_t to) {
   Session& s = *sl.s;
   DSparkContext& ctx = *sl.ctx;
-  if (ctx.end() != s.position()) ctx.align(s.tokens().data(), s.position());
+  ctx.align(s.tokens().data(), s.position());
   const int64_t every = eng_.options().checkpoint_every, TW = eng_.tap_width();
   for (int64_t q = s.position(); q < to;) {
     const std::vector<int64_t> cps = s.checkpoints();
@@ -545,7 +545,7 @@ void Scheduler::decode_step(std::vector<Active*>& ds) {
     if (c && output_left(a) <= o_.wrap_up_reserve) c->wrap_up();  // (this step's token comes next)
     if (c && c->passive()) c = nullptr;  // (a lazy constraint before its trigger: decoded as usual)
     DSparkContext* ctx = a.slot->ctx.get();
-    if (ctx && ctx->end() != s.position()) ctx->align(s.tokens().data(), s.position());
+    if (ctx) ctx->align(s.tokens().data(), s.position());
     a.block = a.cycle && !c;
     if (a.block) {
       // the anchor and the drafts the schedule chooses (a block never steps over a
