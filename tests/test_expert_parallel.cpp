@@ -348,6 +348,19 @@ TEST(ExpertParallel, BadRankCountsAndFamiliesAreRefused) {
       EXPECT_NE(std::string(e.what()).find(std::to_string(ranks)), std::string::npos) << e.what();
     }
   }
+#ifdef DSX_HAVE_CUDA
+  {  // (refused before any device is looked for: also without a GPU)
+    EngineOptions o;
+    o.backend = "cuda";
+    o.expert_ranks = 2;
+    try {
+      load_engine(kSmall, o);
+      ADD_FAILURE() << "the CUDA backend accepted 2 ranks";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("one GPU only"), std::string::npos) << e.what();
+    }
+  }
+#endif
   DSX_REQUIRE_GOLDEN(gdir);
   for (const auto& e : std::filesystem::directory_iterator(gdir)) {
     if (!e.is_directory() || !std::filesystem::exists(e.path() / "config.json") ||

@@ -122,7 +122,15 @@ struct Registration {
 
 }  // namespace
 
+// (multi-GPU execution is not built: docs/multi-gpu.md)
+static void refuse_expert_ranks(const EngineOptions& o) {
+  if (o.expert_ranks != 1)
+    fail("backend cuda: ", o.expert_ranks, " expert-parallel ranks asked; the CUDA backend runs on one GPU only "
+         "(multi-GPU execution is not built yet, docs/multi-gpu.md)");
+}
+
 std::unique_ptr<Engine> load_cuda_engine(const std::string& dir, const EngineOptions& o) {
+  refuse_expert_ranks(o);
   if (!cuda::device_available()) fail("backend cuda: no CUDA device is available");
   const cuda::Act act = cuda::parse_precision(o.precision);
   ModelConfig cfg = load_model_config(dir);
@@ -135,6 +143,7 @@ std::unique_ptr<Engine> load_cuda_engine(const std::string& dir, const EngineOpt
 }
 
 std::unique_ptr<Engine> make_synthetic_cuda_engine(const ModelConfig& cfg, const EngineOptions& o, uint64_t seed) {
+  refuse_expert_ranks(o);
   if (!cuda::device_available()) fail("backend cuda: no CUDA device is available");
   return std::make_unique<CudaEngine>(cuda::DeviceModel::synthetic(cfg, cuda::parse_precision(o.precision), seed), o);
 }
