@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <functional>
 
 #include "model/cost_model.h"
 #include "model/inventory.h"
@@ -113,31 +112,35 @@ WeightGroup group_of(const TensorSpec& t) {
 }
 
 // E[max_r c_r] and E[c_r] of the counts c_r of k distinct items drawn uniformly from
-// sum(sizes) items in groups of `sizes` (multivariate hypergeometric), by enumeration.
+// n = sum(sizes) items in groups of `sizes` (multivariate hypergeometric). E[c_r] =
+// k sizes[r] / n; E[max] = sum over m >= 0 of P(max > m), where P(max <= m) counts the
+// k-subsets with at most m items in every group: the t^k coefficient of
+// prod_r sum_{x <= m} C(sizes[r], x) t^x, over C(n, k). O(groups k^2) per m.
 void hypergeometric_moments(const std::vector<int>& sizes, int k, double& e_max, std::vector<double>& e_count) {
   int n = 0;
   for (int s : sizes) n += s;
-  auto lchoose = [](int a, int b) { return std::lgamma(a + 1.0) - std::lgamma(b + 1.0) - std::lgamma(a - b + 1.0); };
-  const double lall = lchoose(n, k);
-  const size_t G = sizes.size();
-  std::vector<int> c(G, 0);
-  e_max = 0;
-  e_count.assign(G, 0.0);
-  std::function<void(size_t, int, double)> rec = [&](size_t g, int left, double lw) {
-    if (g + 1 == G) {
-      if (left > sizes[g]) return;
-      c[g] = left;
-      const double p = std::exp(lw + lchoose(sizes[g], left) - lall);
-      e_max += p * *std::max_element(c.begin(), c.end());
-      for (size_t i = 0; i < G; ++i) e_count[i] += p * c[i];
-      return;
-    }
-    for (int x = 0; x <= std::min(left, sizes[g]); ++x) {
-      c[g] = x;
-      rec(g + 1, left - x, lw + lchoose(sizes[g], x));
-    }
+  auto choose = [](int a, int b) {
+    double c = 1;
+    for (int i = 1; i <= b; ++i) c = c * (a - b + i) / i;
+    return c;
   };
-  rec(0, k, 0.0);
+  const double all = choose(n, k);
+  e_count.clear();
+  for (int s : sizes) e_count.push_back(static_cast<double>(k) * s / n);
+  e_max = 0;
+  for (int m = 0; m < k; ++m) {
+    std::vector<double> poly(static_cast<size_t>(k) + 1, 0.0), next;
+    poly[0] = 1;
+    for (int s : sizes) {
+      next.assign(poly.size(), 0.0);
+      for (int j = 0; j <= k; ++j)
+        if (poly[static_cast<size_t>(j)] != 0)
+          for (int x = 0; x <= std::min({m, s, k - j}); ++x)
+            next[static_cast<size_t>(j + x)] += poly[static_cast<size_t>(j)] * choose(s, x);
+      poly.swap(next);
+    }
+    e_max += 1.0 - poly[static_cast<size_t>(k)] / all;  // P(max > m)
+  }
 }
 
 std::string gb(double b) {
