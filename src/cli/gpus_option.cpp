@@ -22,10 +22,6 @@ void apply_gpus_option(const Args& a, EngineOptions& o) {
   if (v.empty() || !end || *end) fail("--gpus: '", v, "' is not a number of GPUs");
   if (n < 1) fail("--gpus: ", n, " GPUs; the count must be at least 1");
   if (n > 1 << 16) fail("--gpus: ", n, " GPUs is not a plausible count");
-  if (n > 1 && o.backend != "cpu")
-    fail("--gpus ", n, ": multi-GPU execution on the ", o.backend,
-         " backend is not built yet (issue 28; docs/multi-gpu.md). The CPU backend runs the expert-parallel "
-         "math of N ranks in one process (--backend cpu --gpus N); `dsx model plan --gpus N` prints the placement");
   o.expert_ranks = static_cast<int>(n);
 }
 

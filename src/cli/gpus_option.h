@@ -14,7 +14,7 @@ namespace dsx::cli {
 extern const char* const kGpusHelp;
 
 // Reads --gpus (1 when absent) into o.expert_ranks. Throws dsx::Error for a value < 1 or not
-// a number, and for N > 1 with a backend other than cpu (call after o.backend is final).
+// a number (the engine refuses what its backend cannot run: CUDA, N > 1).
 void apply_gpus_option(const Args& a, EngineOptions& o);
 
 // With o.expert_ranks > 1: prints the placement plan of the loaded model to stderr.

@@ -125,8 +125,9 @@ struct Registration {
 // (multi-GPU execution is not built: docs/multi-gpu.md)
 static void refuse_expert_ranks(const EngineOptions& o) {
   if (o.expert_ranks != 1)
-    fail("backend cuda: ", o.expert_ranks, " expert-parallel ranks asked; the CUDA backend runs on one GPU only "
-         "(multi-GPU execution is not built yet, docs/multi-gpu.md)");
+    fail("--gpus ", o.expert_ranks, ": multi-GPU execution on the cuda backend is not built yet (issue 28; "
+         "docs/multi-gpu.md): the CUDA backend runs on one GPU only. The CPU backend runs the expert-parallel math "
+         "of N ranks in one process (--backend cpu --gpus N); `dsx model plan --gpus N` prints the placement");
 }
 
 std::unique_ptr<Engine> load_cuda_engine(const std::string& dir, const EngineOptions& o) {
