@@ -85,6 +85,7 @@ class CudaDrafter final : public Drafter {
   // The device work of one block with `To` pending rows (launches on stream_).
   void run_block(CudaDraftState& s, int To) const;
   void markov_rows(bool greedy, int j0, int j1) const;
+  void note_graph_time() const;
   void lin(const QMatrix& W, const void* x, int64_t ldx, int T, Act yt, void* y, int64_t ldy, bool qa8, int groups = 1,
            float* split_ws = nullptr, size_t split_bytes = 0) const;
 
@@ -123,6 +124,11 @@ class CudaDrafter final : public Drafter {
   mutable uint64_t generation_ = 0;  // of the latest block
   mutable int64_t block_n_ = -1;
   bool graphs_ = true;
+  // DSX_GRAPH_TIMING: device time of the replayed block graphs (printed at exit)
+  cudaEvent_t gt0_ = nullptr, gt1_ = nullptr;
+  mutable bool timing_pending_ = false;
+  mutable double graph_ms_ = 0;
+  mutable int graph_runs_ = 0;
 };
 
 }  // namespace dsx::cuda

@@ -56,6 +56,10 @@ Runner::~Runner() {
   if (graph_timing_ && graph_runs_ > 0)
     std::fprintf(stderr, "# DSX_GRAPH_TIMING: %d decode steps, graph %.3f ms/step on the device, %.3f ms/step wall\n",
                  graph_runs_, graph_ms_ / graph_runs_, step_wall_ms_ / graph_runs_);
+  if (graph_timing_)
+    for (const auto& [rows, t] : graph_ms_by_rows_)
+      std::fprintf(stderr, "# DSX_GRAPH_TIMING: passes of %d rows: %d replayed, %.3f ms each on the device\n", rows,
+                   t.second, t.first / t.second);
   graphs_.clear();
 }
 
@@ -210,6 +214,7 @@ void Runner::run_pass(Pass& p, const std::vector<const int32_t*>& ids, bool deco
     if (graph_timing_) {
       DSX_CUDA_CHECK(cudaEventRecord(s_->gt1, s_->main));
       timing_pending_ = true;
+      timing_rows_ = p.T;
     }
   } else {
     stage_engram(p, ids, s_->main);
@@ -353,6 +358,10 @@ void Runner::note_graph_time() {
   timing_pending_ = false;
   float ms = 0;
   DSX_CUDA_CHECK(cudaEventElapsedTime(&ms, s_->gt0, s_->gt1));
+  auto& [by_ms, by_n] = graph_ms_by_rows_[timing_rows_];
+  by_ms += ms;
+  ++by_n;
+  if (timing_rows_ != 1) return;  // (the totals: one-row decode steps, against their wall time)
   graph_ms_ += ms;
   ++graph_runs_;
 }
@@ -452,6 +461,7 @@ void Runner::continue_ahead(DeviceSession& s, int32_t id) {
   if (graph_timing_) {
     DSX_CUDA_CHECK(cudaEventRecord(s_->gt1, s_->main));
     timing_pending_ = true;
+    timing_rows_ = 1;
   }
   ++s.pos;
   s.tokens.push_back(id);

@@ -6,6 +6,7 @@
 // next step before the host has read its id (the run-ahead, docs/gpu.md).
 #pragma once
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -113,7 +114,8 @@ class Runner {
   // DSX_GRAPH_TIMING
   bool graph_timing_ = false, timing_pending_ = false;
   double graph_ms_ = 0, step_wall_ms_ = 0;
-  int graph_runs_ = 0;
+  int graph_runs_ = 0, timing_rows_ = 0;
+  std::map<int, std::pair<double, int>> graph_ms_by_rows_;  // rows of a pass -> (device ms, passes)
 };
 
 Act parse_precision(const std::string& p);

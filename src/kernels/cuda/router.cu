@@ -204,7 +204,12 @@ __global__ void __launch_bounds__(kThreads, 1) router_fused_kernel(const FusedPa
   constexpr int SH = 5 - ilog2(N);    // warp_sum_scatter: lane l holds value l >> SH
   constexpr int W = kWarps / TT;      // selection: warps per token
   constexpr int G = 32 * W;           // threads per token
-  constexpr int PMAX = kMaxE / G;     // experts per thread
+  // SM: the selection reads the scores from shared memory, staged there by the whole
+  // block (TT >= 2; with keys in registers, the unrolled code for kMaxE / G experts per
+  // thread made kernels of 110 - 210 KB whose instructions were all cold fetches: 27 us
+  // at TT = 8 for 6 tokens of 8 experts under ncu, against 5 us at TT = 1)
+  constexpr bool SM = TT >= 2;
+  constexpr int PMAX = SM ? 1 : kMaxE / G;  // experts per thread (registers)
   __shared__ float red[kWarps][N];
   __shared__ unsigned long long cand[TT][kCandCap];
   __shared__ unsigned long long th[kWarps];
@@ -239,7 +244,7 @@ __global__ void __launch_bounds__(kThreads, 1) router_fused_kernel(const FusedPa
 #pragma unroll
   for (int q = 0; q < PMAX; ++q) {
     const int e = j + q * G;
-    bias_pre[q] = p.bias && e < p.E ? p.bias[e] : 0.0f;
+    bias_pre[q] = !SM && p.bias && e < p.E ? p.bias[e] : 0.0f;
   }
   dev::pdl_wait();
   dev::pdl_launch_dependents();  // the MoE kernel waits for all of this kernel anyway
@@ -343,63 +348,125 @@ __global__ void __launch_bounds__(kThreads, 1) router_fused_kernel(const FusedPa
   if (!is_last) return;
 
   // ---- selection: group g (warps g W .. g W + W - 1) ranks token g's experts
-  if (g >= p.T) return;  // (whole groups: the group barriers below stay consistent)
-  const float* zt = p.z + static_cast<int64_t>(g) * p.E;
-  unsigned long long key[PMAX];  // 0: no expert
-  float sv[PMAX];
-  unsigned long long m = 0;
-#pragma unroll
-  for (int q = 0; q < PMAX; ++q) {
-    const int e = j + q * G;
-    key[q] = 0;
-    sv[q] = 0.0f;
-    if (e < p.E) {
-      sv[q] = route_score(__ldcg(zt + e), p.gate_temp);
-      key[q] = rank_key(p.bias ? sv[q] + bias_pre[q] : sv[q], e);
-      m = key[q] > m ? key[q] : m;
+  // (SM: the biased scores b and the scores s of all T x E logits in shared memory,
+  // after the x rows when those are staged)
+  float* const bsm = reinterpret_cast<float*>(xs4 + (XS ? 2 * p.T * p.cpr : 0));
+  float* const ssm = bsm + p.T * p.E;
+  if constexpr (SM) {
+    const int n = p.T * p.E;
+#pragma unroll 4
+    for (int i = tid; i < n; i += kThreads) {
+      const int e = i - (i / p.E) * p.E;
+      const float sc = route_score(__ldcg(p.z + i), p.gate_temp);
+      ssm[i] = sc;
+      bsm[i] = p.bias ? sc + __ldg(p.bias + e) : sc;
     }
+    __syncthreads();
   }
-  dev::trace_mark(44, g == 0);  // (trace builds: z loaded and scored)
-  // theta_w: the m with exactly topk - 1 larger ones in the warp (the m != 0 are distinct)
-  int larger = 0;
-#pragma unroll
-  for (int l = 0; l < 32; ++l) larger += __shfl_sync(dev::kFull, m, l) > m;
-  const unsigned hit = __ballot_sync(dev::kFull, larger == p.topk - 1 && m != 0);
-  const unsigned long long theta_w = hit ? __shfl_sync(dev::kFull, m, __ffs(hit) - 1) : 0ull;
-  if (lane == 0) th[warp] = theta_w;
-  group_sync(g, G);
-  dev::trace_mark(45, g == 0);  // (theta)
-  unsigned long long theta = 0;
-#pragma unroll
-  for (int w = 0; w < W; ++w) theta = th[g * W + w] > theta ? th[g * W + w] : theta;
-  unsigned long long* cg = cand[g];
-#pragma unroll
-  for (int q = 0; q < PMAX; ++q)
-    if (key[q] != 0 && key[q] >= theta) {
-      const int pos = atomicAdd(&ncand[g], 1);
-      if (pos < kCandCap) cg[pos] = key[q];
+  if (g >= p.T) return;  // (whole groups: the group barriers below stay consistent)
+  if constexpr (SM) {
+    const float* bg = bsm + g * p.E;
+    unsigned long long m = 0;
+    for (int e = j; e < p.E; e += G) {
+      const unsigned long long k = rank_key(bg[e], e);
+      m = k > m ? k : m;
     }
-  group_sync(g, G);
-  dev::trace_mark(46, g == 0);  // (candidates)
-  // each candidate's owner ranks it; rank < topk -> slot rank (with its s, for the weights)
-  const int n = min(ncand[g], kCandCap);
+    // theta_w: the m with exactly topk - 1 larger ones in the warp (the m != 0 are distinct)
+    int larger = 0;
 #pragma unroll
-  for (int q = 0; q < PMAX; ++q)
-    if (key[q] != 0 && key[q] >= theta) {
-      // (8 loads in flight at a time: a loop of dependent shared loads took ~1 us, timeline)
+    for (int l = 0; l < 32; ++l) larger += __shfl_sync(dev::kFull, m, l) > m;
+    const unsigned hit = __ballot_sync(dev::kFull, larger == p.topk - 1 && m != 0);
+    const unsigned long long theta_w = hit ? __shfl_sync(dev::kFull, m, __ffs(hit) - 1) : 0ull;
+    if (lane == 0) th[warp] = theta_w;
+    group_sync(g, G);
+    unsigned long long theta = 0;
+#pragma unroll
+    for (int w = 0; w < W; ++w) theta = th[g * W + w] > theta ? th[g * W + w] : theta;
+    unsigned long long* cg = cand[g];
+    for (int e = j; e < p.E; e += G) {
+      const unsigned long long k = rank_key(bg[e], e);
+      if (k >= theta) {
+        const int pos = atomicAdd(&ncand[g], 1);
+        if (pos < kCandCap) cg[pos] = k;
+      }
+    }
+    group_sync(g, G);
+    // a candidate's rank = #candidates with a larger key; rank < topk -> slot rank
+    const int n = min(ncand[g], kCandCap);
+    for (int e = j; e < p.E; e += G) {
+      const unsigned long long k = rank_key(bg[e], e);
+      if (k < theta) continue;
       int rank = 0;
       for (int l0 = 0; l0 < n; l0 += 8) {
         unsigned long long c8[8];
 #pragma unroll
         for (int u = 0; u < 8; ++u) c8[u] = cg[l0 + u];  // (within kCandCap; entries >= n masked below)
 #pragma unroll
-        for (int u = 0; u < 8; ++u) rank += (l0 + u < n && c8[u] > key[q]) ? 1 : 0;
+        for (int u = 0; u < 8; ++u) rank += (l0 + u < n && c8[u] > k) ? 1 : 0;
       }
       if (rank < p.topk) {
-        sel[g][rank] = j + q * G;
-        ssel[g][rank] = sv[q];
+        sel[g][rank] = e;
+        ssel[g][rank] = ssm[g * p.E + e];
       }
     }
+  } else {
+    const float* zt = p.z + static_cast<int64_t>(g) * p.E;
+    unsigned long long key[PMAX];  // 0: no expert
+    float sv[PMAX];
+    unsigned long long m = 0;
+#pragma unroll
+    for (int q = 0; q < PMAX; ++q) {
+      const int e = j + q * G;
+      key[q] = 0;
+      sv[q] = 0.0f;
+      if (e < p.E) {
+        sv[q] = route_score(__ldcg(zt + e), p.gate_temp);
+        key[q] = rank_key(p.bias ? sv[q] + bias_pre[q] : sv[q], e);
+        m = key[q] > m ? key[q] : m;
+      }
+    }
+    dev::trace_mark(44, g == 0);  // (trace builds: z loaded and scored)
+    // theta_w: the m with exactly topk - 1 larger ones in the warp (the m != 0 are distinct)
+    int larger = 0;
+#pragma unroll
+    for (int l = 0; l < 32; ++l) larger += __shfl_sync(dev::kFull, m, l) > m;
+    const unsigned hit = __ballot_sync(dev::kFull, larger == p.topk - 1 && m != 0);
+    const unsigned long long theta_w = hit ? __shfl_sync(dev::kFull, m, __ffs(hit) - 1) : 0ull;
+    if (lane == 0) th[warp] = theta_w;
+    group_sync(g, G);
+    dev::trace_mark(45, g == 0);  // (theta)
+    unsigned long long theta = 0;
+#pragma unroll
+    for (int w = 0; w < W; ++w) theta = th[g * W + w] > theta ? th[g * W + w] : theta;
+    unsigned long long* cg = cand[g];
+#pragma unroll
+    for (int q = 0; q < PMAX; ++q)
+      if (key[q] != 0 && key[q] >= theta) {
+        const int pos = atomicAdd(&ncand[g], 1);
+        if (pos < kCandCap) cg[pos] = key[q];
+      }
+    group_sync(g, G);
+    dev::trace_mark(46, g == 0);  // (candidates)
+    // each candidate's owner ranks it; rank < topk -> slot rank (with its s, for the weights)
+    const int n = min(ncand[g], kCandCap);
+#pragma unroll
+    for (int q = 0; q < PMAX; ++q)
+      if (key[q] != 0 && key[q] >= theta) {
+        // (8 loads in flight at a time: a loop of dependent shared loads took ~1 us, timeline)
+        int rank = 0;
+        for (int l0 = 0; l0 < n; l0 += 8) {
+          unsigned long long c8[8];
+#pragma unroll
+          for (int u = 0; u < 8; ++u) c8[u] = cg[l0 + u];  // (within kCandCap; entries >= n masked below)
+#pragma unroll
+          for (int u = 0; u < 8; ++u) rank += (l0 + u < n && c8[u] > key[q]) ? 1 : 0;
+        }
+        if (rank < p.topk) {
+          sel[g][rank] = j + q * G;
+          ssel[g][rank] = sv[q];
+        }
+      }
+  }
   group_sync(g, G);
   dev::trace_mark(43, g == 0);
   // weights as router_select_kernel: the sum in slot order
@@ -421,15 +488,19 @@ __global__ void __launch_bounds__(kThreads, 1) router_fused_kernel(const FusedPa
 template <WFormat F, int TT, int R>
 void launch_fused_r(const FusedParams& p, cudaStream_t stream) {
   const unsigned blocks = static_cast<unsigned>((p.E + R - 1) / R);
+  // the staged scores of the selection (TT >= 2: router_fused_kernel, SM)
+  const size_t sel_bytes = TT >= 2 ? static_cast<size_t>(p.T) * p.E * 8 : 0;
   // several rows: x staged in shared memory when it fits (router_fused_kernel, XS)
   if constexpr (TT > 1) {
-    const size_t xs_bytes = static_cast<size_t>(p.T) * p.cpr * 32;
+    const size_t xs_bytes = static_cast<size_t>(p.T) * p.cpr * 32 + sel_bytes;
     if (xs_bytes <= detail::max_dynamic_smem(router_fused_kernel<F, TT, R, true>)) {
       detail::launch_pdl(router_fused_kernel<F, TT, R, true>, dim3(blocks), dim3(kThreads), xs_bytes, stream, p);
       return;
     }
   }
-  detail::launch_pdl(router_fused_kernel<F, TT, R, false>, dim3(blocks), dim3(kThreads), 0, stream, p);
+  DSX_CHECK(sel_bytes <= detail::max_dynamic_smem(router_fused_kernel<F, TT, R, false>), "router: ", p.T, " x ",
+            p.E, " scores exceed a block's shared memory");
+  detail::launch_pdl(router_fused_kernel<F, TT, R, false>, dim3(blocks), dim3(kThreads), sel_bytes, stream, p);
 }
 
 template <WFormat F, int TT>
