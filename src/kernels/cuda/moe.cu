@@ -505,8 +505,22 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_mma_kernel(const DownMma
 // the routing weight, and QA8 of h is staged for the down kernel (DownStage). Shared
 // memory: [rings | FP8 B | scales | MXFP4 B | scales | partial sums per unit | arrival
 // counter per unit].
-template <int U>
-__global__ void __launch_bounds__(kThreads, 2) moe_up_ring_t1_kernel(const UpMmaParams p) {
+//
+// ROWS: row blockIdx.y of several, each the one-token chain of its own row (x, ids,
+// weights, hq and hst offset by the row): moe_decode's per-row path for small experts.
+template <int U, bool ROWS = false>
+__global__ void __launch_bounds__(kThreads, 2) moe_up_ring_t1_kernel(const UpMmaParams p_in) {
+  UpMmaParams p_row;
+  if constexpr (ROWS) {
+    const int t = static_cast<int>(blockIdx.y);
+    p_row = p_in;
+    p_row.x = static_cast<const uint8_t*>(p_in.x) + t * p_in.ldx * (p_in.xt == static_cast<int>(DType::BF16) ? 2 : 4);
+    p_row.ids = p_in.ids + t * p_in.topk;
+    p_row.wts = p_in.wts + t * p_in.topk;
+    p_row.hq = p_in.hq + static_cast<int64_t>(t) * p_in.S * p_in.I;
+    p_row.hst = p_in.hst + t * DownStage(p_in.topk, p_in.I / 32).words;
+  }
+  const UpMmaParams& p = ROWS ? p_row : p_in;
   extern __shared__ __align__(128) uint4 smem_mma[];
   dev::trace_block(60);
   __shared__ uint4 s_zero[4];
@@ -664,8 +678,17 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_ring_t1_kernel(const UpMma
 constexpr int kDownRingWarps = 16;
 constexpr int kDownRingThreads = kDownRingWarps * 32;
 
-template <int U>
-__global__ void __launch_bounds__(kDownRingThreads, 1) moe_down_ring_t1_kernel(const DownMmaParams p) {
+template <int U, bool ROWS = false>
+__global__ void __launch_bounds__(kDownRingThreads, 1) moe_down_ring_t1_kernel(const DownMmaParams p_in) {
+  DownMmaParams p_row;  // (ROWS: as the up kernel's)
+  if constexpr (ROWS) {
+    const int t = static_cast<int>(blockIdx.y);
+    p_row = p_in;
+    p_row.ids = p_in.ids + t * p_in.topk;
+    p_row.hst = p_in.hst + t * DownStage(p_in.topk, p_in.NBI).words;
+    p_row.y = static_cast<uint8_t*>(p_in.y) + t * p_in.ldy * (p_in.yt == static_cast<int>(DType::BF16) ? 2 : 4);
+  }
+  const DownMmaParams& p = ROWS ? p_row : p_in;
   extern __shared__ __align__(128) uint4 smem_mma[];
   dev::trace_block(63);
   __shared__ uint4 s_zero[4];
@@ -789,8 +812,8 @@ DecodeLayout decode_layout(const MoeLayer& m, int T, int topk) {
   off = align256(off + static_cast<size_t>(T) * (m.hidden / kDownRPW) * 4);
   L.h = off;
   off = align256(off + static_cast<size_t>(T) * S * m.inter * 4);
-  L.hst = off;  // one token (the ring kernels)
-  off = align256(off + static_cast<size_t>(DownStage(topk, static_cast<int>(m.inter / 32)).words) * 4);
+  L.hst = off;  // per token (the ring kernels)
+  off = align256(off + static_cast<size_t>(T) * DownStage(topk, static_cast<int>(m.inter / 32)).words * 4);
   L.total = off;
   return L;
 }
@@ -806,14 +829,17 @@ struct RingT1Plan {
   int max_units = 0, max_tiles = 0;
   size_t smem_up = 0, smem_dn = 0;
 };
-template <int U>
-RingT1Plan ring_t1_plan(int topk, int has_shared, int64_t n_up, int NB, int NTD, size_t smem_dn) {
+// rows > 1: the grids of `rows` rows side by side (the per-row path), each row's sized
+// for its share of the SMs.
+template <int U, bool ROWS = false>
+RingT1Plan ring_t1_plan(int topk, int has_shared, int64_t n_up, int NB, int NTD, size_t smem_dn, int rows = 1) {
   RingT1Plan pl;
-  auto kdn = moe_down_ring_t1_kernel<U>;
-  auto kup = moe_up_ring_t1_kernel<U>;
+  auto kdn = moe_down_ring_t1_kernel<U, ROWS>;
+  auto kup = moe_up_ring_t1_kernel<U, ROWS>;
+  const int sms = std::max(1, sm_count() / rows);
   const size_t stage = 2 * (static_cast<size_t>(NB) * 64 + static_cast<size_t>((NB + 3) & ~3) * 4);
   // down: one block per SM (16 warps); per tile of a block the pieces' partial sums and a counter
-  pl.grid_dn = std::min<int64_t>(NTD, sm_count());
+  pl.grid_dn = std::min<int64_t>(NTD, sms);
   pl.max_tiles = static_cast<int>((NTD + pl.grid_dn - 1) / pl.grid_dn);
   const int pieces = 2 * (topk + 2 * has_shared);
   pl.smem_dn = ring_bytes<U>(kDownRingWarps) + smem_dn + 16 +
@@ -825,7 +851,7 @@ RingT1Plan ring_t1_plan(int topk, int has_shared, int64_t n_up, int NB, int NTD,
   if (base > detail::max_dynamic_smem(kup)) return pl;
   const int64_t n_pairs = n_up / 2;  // the kernel's units go in pairs (whole QA8 blocks of h)
   for (int occ = detail::occupancy(kup, kThreads, base); occ >= 1; --occ) {
-    const int64_t grid = std::min<int64_t>(n_pairs, static_cast<int64_t>(occ) * sm_count());
+    const int64_t grid = std::min<int64_t>(n_pairs, static_cast<int64_t>(occ) * sms);
     const int max_units = static_cast<int>(2 * ((n_pairs + grid - 1) / grid));
     const size_t smem1 = base + up_red_bytes(max_units);
     if (smem1 <= detail::max_dynamic_smem(kup) && detail::occupancy(kup, kThreads, smem1) >= occ) {
@@ -840,26 +866,30 @@ RingT1Plan ring_t1_plan(int topk, int has_shared, int64_t n_up, int NB, int NTD,
 }
 
 // The one-token ring kernels with U spans in flight per warp; false when they do not fit.
-template <int U>
+// ROWS: up.T rows, each the one-token chain of its row (grids side by side).
+template <int U, bool ROWS = false>
 bool launch_ring_t1(const UpMmaParams& up, const DownMmaParams& dn, int64_t n_up, int NB, int NTD, size_t smem_dn,
                     cudaStream_t stream) {
-  const RingT1Plan pl = ring_t1_plan<U>(dn.topk, dn.has_shared, n_up, NB, NTD, smem_dn);
+  const int rows = ROWS ? up.T : 1;
+  const RingT1Plan pl = ring_t1_plan<U, ROWS>(dn.topk, dn.has_shared, n_up, NB, NTD, smem_dn, rows);
   if (!pl.ok) return false;
   UpMmaParams up1 = up;
   up1.max_units = pl.max_units;
   DownMmaParams dn1 = dn;
   dn1.max_tiles = pl.max_tiles;
-  detail::launch_pdl(moe_up_ring_t1_kernel<U>, dim3(static_cast<unsigned>(pl.grid_up)), dim3(kThreads), pl.smem_up,
-                     stream, up1);
-  detail::launch_pdl(moe_down_ring_t1_kernel<U>, dim3(static_cast<unsigned>(pl.grid_dn)), dim3(kDownRingThreads),
-                     pl.smem_dn, stream, dn1);
+  detail::launch_pdl(moe_up_ring_t1_kernel<U, ROWS>, dim3(static_cast<unsigned>(pl.grid_up), rows), dim3(kThreads),
+                     pl.smem_up, stream, up1);
+  detail::launch_pdl(moe_down_ring_t1_kernel<U, ROWS>, dim3(static_cast<unsigned>(pl.grid_dn), rows),
+                     dim3(kDownRingThreads), pl.smem_dn, stream, dn1);
   return true;
 }
 
 // The tensor-core decode path when it applies (false: the CUDA-core kernels).
+// per_row (T = 2..8): each row the one-token ring kernels' chain, side by side, when
+// they fit (else false, before anything is launched).
 bool moe_decode_mma(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int T, int topk, const int32_t* ids,
                     const float* weights, DType yt, void* y, int64_t ldy, char* base, const DecodeLayout& L,
-                    cudaStream_t stream, const uint32_t* x_staged) {
+                    cudaStream_t stream, const uint32_t* x_staged, bool per_row = false) {
   const int mode = gemv_mma_mode();
   if (mode == 0 || (yt != DType::BF16 && mode < 2)) return false;
   const bool has_shared = m.shared_w1.data != nullptr;
@@ -932,6 +962,7 @@ bool moe_decode_mma(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int
   if (smem_dn > detail::max_dynamic_smem(moe_down_mma_kernel)) return false;
 
   if (T == 1 && launch_ring_t1<kRingU>(up, dn, n_up, NB, NTD, smem_dn, stream)) return true;
+  if (per_row) return T > 1 && launch_ring_t1<kRingU, true>(up, dn, up.n_sblocks + topk * NTI, NB, NTD, smem_dn, stream);
   detail::launch_pdl(kup, dim3(static_cast<unsigned>(n_up)), dim3(kThreads), smem_up, stream, up);
   detail::launch_pdl(moe_down_mma_kernel, dim3(static_cast<unsigned>(T * NTD)), dim3(kThreads), smem_dn, stream, dn);
   return true;
@@ -958,6 +989,16 @@ bool ring_t1_supported(const MoeLayer& m, int topk) {
   return ring_t1_plan<kRingU>(topk, has_shared ? 1 : 0, n_up, NB, NTD, smem_dn).ok;
 }
 
+// All of a layer's routed experts fit in a third of the L2 (H200: 50 MB): rows that
+// stream their experts one by one then re-read shared experts from L2, and the one-token
+// kernels side by side beat the expert-major rows kernels' three dependent launches
+// (trained model, 8 experts of 0.08 MB, 6 rows, ncu: 12.5 vs 40 us a layer). The
+// release's experts (13 MB each) take the rows kernels.
+bool experts_fit_l2(const MoeLayer& m) {
+  const double expert = 3.0 * static_cast<double>(m.hidden) * static_cast<double>(m.inter) * (0.5 + 1.0 / 32.0);
+  return static_cast<double>(m.n_experts) * expert <= 16e6;
+}
+
 }  // namespace moe_detail
 
 size_t moe_decode_ws_bytes(const MoeLayer& m, int T, int topk) {
@@ -969,13 +1010,19 @@ void moe_decode(const MoeLayer& m, DType xt, const void* x, int64_t ldx, int T, 
                 cudaStream_t stream, const uint32_t* x_staged) {
   if (T <= 0) return;
   check_layer(m, topk);
+  const DecodeLayout L = decode_layout(m, T, topk);
+  char* base = static_cast<char*>(ws);
+  // 2..8 rows of small experts: each row the one-token kernels' chain, the rows side by
+  // side in one launch each (bit for bit one-row results: the same kernels)
+  if (T >= 2 && T <= 8 && experts_fit_l2(m) && ring_t1_supported(m, topk)) {
+    DSX_CHECK(ws && ws_bytes >= L.total, "moe_decode: workspace too small (", ws_bytes, " < ", L.total, ")");
+    if (moe_decode_mma(m, xt, x, ldx, T, topk, ids, weights, yt, y, ldy, base, L, stream, nullptr, true)) return;
+  }
   // 2..16 rows: each distinct expert streamed once for all its rows (moe_rows.cu)
   if (T >= 2 && moe_decode_rows(m, xt, x, ldx, T, topk, ids, weights, yt, y, ldy, ws, ws_bytes, stream)) return;
-  const DecodeLayout L = decode_layout(m, T, topk);
   DSX_CHECK(ws && ws_bytes >= L.total, "moe_decode: workspace too small (", ws_bytes, " < ", L.total, ")");
   const int S = topk + (m.shared_w1.data ? 1 : 0);
   const int D = static_cast<int>(m.hidden), I = static_cast<int>(m.inter);
-  char* base = static_cast<char*>(ws);
   const bool bf16 = yt == DType::BF16;  // BF16 mode: the reference rounding points
   if (moe_decode_mma(m, xt, x, ldx, T, topk, ids, weights, yt, y, ldy, base, L, stream, x_staged)) return;
 

@@ -60,7 +60,10 @@ inline bool moe_experts_tile16(int64_t D, int64_t I) {
 // Tensor-core modes (BF16, or F32 with DSX_GEMV_MMA=2; QA8 blocks of 32): one row runs
 // the one-token ring kernels; 2..16 rows the expert-major kernels (moe_rows.cu), which
 // stream each distinct routed expert once for all the rows routed to it and the shared
-// expert once for all rows, and give every row bit for bit the one-row result. F32 mode
+// expert once for all rows, and give every row bit for bit the one-row result; 2..8
+// rows of a layer whose routed experts all fit in L2 (at most 16 MB: the trained model's,
+// the DSpark stages') the one-token kernels of every row side by side in one launch each
+// (their re-reads hit L2; fewer dependent launches than the expert-major kernels). F32 mode
 // (default): the CUDA-core kernels, per (row, slot), whose per-row arithmetic does not
 // depend on T either.
 // ws: workspace of moe_decode_ws_bytes() bytes. Its first T * S * I floats
