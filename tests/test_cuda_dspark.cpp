@@ -421,6 +421,18 @@ TEST(CudaDSpark, DefaultIsOnForTheCudaEngine) {
   ASSERT_TRUE(d.strategy);
   EXPECT_EQ(d.name, "on");
   EXPECT_EQ(d.drafter->backend_name(), "cuda");
+  EXPECT_EQ(d.costs.rfind("built-in: ", 0), 0u) << d.costs;
+  // the schedule's costs measured on the CUDA engine (--dspark-costs measure)
+  cli::DSparkChoice mc;
+  mc.costs = "measure";
+  const cli::DSparkSetup m = cli::setup_dspark(mc, dir, *eng);
+  ASSERT_TRUE(m.strategy);
+  EXPECT_EQ(m.costs.rfind("measured on cuda: ", 0), 0u) << m.costs;
+  const DSparkSchedule& sc = m.strategy->options().schedule;
+  EXPECT_EQ(sc.verify_cost.size(), static_cast<size_t>(m.drafter->block_size() + 1)) << m.costs;
+  for (double c : sc.verify_cost) EXPECT_TRUE(std::isfinite(c) && c > 0) << m.costs;
+  EXPECT_TRUE(std::isfinite(sc.draft_cost) && sc.draft_cost > 0) << m.costs;
+  std::printf("%s\n", m.costs.c_str());
   const cli::DSparkSetup off = cli::setup_dspark(cli::parse_dspark("off"), dir, *eng);
   EXPECT_FALSE(off.strategy);
 }

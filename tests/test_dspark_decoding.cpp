@@ -17,7 +17,8 @@
 //   - negative controls computed in the tests: accept-always and the paper's peeking
 //     scheduler (0.85 / 0.15) are rejected by the same statistics;
 //   - choose_k: static, threshold, cost rule, non-anticipation (confidences after the
-//     first failing row never change k); the CLI's --dspark.
+//     first failing row never change k); cost tables given and measured (the scratch
+//     session leaves the others' numbers alone); the CLI's --dspark and --dspark-costs.
 // Statistical tests use fixed seeds (deterministic); see kMinP for the threshold. The
 // laws and the chi-square statistics are in dspark_law.h (shared with the CUDA test).
 #include <gtest/gtest.h>
@@ -26,6 +27,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <random>
@@ -543,6 +545,59 @@ TEST(DSparkDecoding, ChooseKRules) {
   EXPECT_NEAR(s.cost(4), 1.3, 1e-12);
 }
 
+// --dspark-costs tables: "D:C1,..,CN", C(1) = 1; anything else refused by name.
+TEST(DSparkDecoding, ScheduleCostsParse) {
+  DSparkSchedule base;
+  base.threshold = 0.25f;
+  const DSparkSchedule s = parse_schedule_costs("0.9:1,1.25,1.5", base);
+  EXPECT_DOUBLE_EQ(s.draft_cost, 0.9);
+  ASSERT_EQ(s.verify_cost.size(), 3u);
+  EXPECT_DOUBLE_EQ(s.verify_cost[1], 1.25);
+  EXPECT_NEAR(s.cost(5), 2.0, 1e-12);  // (extrapolated with the last step)
+  EXPECT_FLOAT_EQ(s.threshold, 0.25f);  // (kept from base)
+  EXPECT_EQ(s.describe(), "draft 0.90; verify 1-3 rows: 1.00 1.25 1.50");
+  for (const char* bad : {"", "1", "x:1", "1:", "1:2,3", "1:1,-2", "1:1,nan", "1:1,,2", "1:1,2x", "-1:1"}) {
+    try {
+      parse_schedule_costs(bad);
+      ADD_FAILURE() << "accepted '" << bad << "'";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("DSpark costs"), std::string::npos) << bad << ": " << e.what();
+    }
+  }
+}
+
+// measure_schedule on the CPU engine: a whole table in one-row steps, and the scratch
+// session it measures on leaves the engine's other sessions as they were (their next
+// logits bit for bit those of an engine that never measured).
+TEST(DSparkDecoding, MeasureScheduleOnTheEngine) {
+  NEED_MODEL();
+  const int V = static_cast<int>(F.eng->config().vocab_size);
+  const std::vector<int32_t> prompt = random_prompt(3, 24, V);
+  auto logits_after = [&](Engine& e, bool measure) {
+    auto s = e.new_session();
+    s->sync(prompt.data(), static_cast<int64_t>(prompt.size()));
+    if (measure) {
+      DSparkSchedule base;
+      base.threshold = 0.5f;
+      const DSparkSchedule m = measure_schedule(e, *F.drafter, base, 2, 20);
+      const size_t rows = static_cast<size_t>(std::min(F.drafter->block_size() + 1, e.options().rollback_depth));
+      EXPECT_EQ(m.verify_cost.size(), rows);
+      EXPECT_EQ(m.verify_cost[0], 1.0);
+      for (double c : m.verify_cost) EXPECT_TRUE(std::isfinite(c) && c > 0) << m.describe();
+      EXPECT_TRUE(std::isfinite(m.draft_cost) && m.draft_cost > 0) << m.describe();
+      EXPECT_FLOAT_EQ(m.threshold, 0.5f);
+      EXPECT_EQ(m.static_k, -1);
+    }
+    std::vector<float> out(static_cast<size_t>(V));
+    const int32_t next = 5;
+    s->feed(&next, 1, out.data(), false);
+    return out;
+  };
+  const std::vector<float> a = logits_after(*F.eng, false), b = logits_after(*F.eng, true);
+  ASSERT_EQ(a.size(), b.size());
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0);
+}
+
 // Non-anticipation (§6.1): k never depends on the confidences of rows after the first one
 // that failed (row k, whose draft was not admitted): changing them leaves k alone.
 TEST(DSparkDecoding, ChooseKIsNonAnticipating) {
@@ -865,6 +920,17 @@ TEST(DSparkDecoding, CliDSparkOption) {
   EXPECT_NE(run(dsx + " generate -m " + F.dir + " --ids " + ids + " --dspark sometimes", &log), 0);
   EXPECT_NE(log.find("--dspark must be"), std::string::npos) << log;
   EXPECT_NE(run(dsx + " generate -m " + F.dir + " --ids " + ids + " --dspark static 9", &log), 0);
+  // the cost table: given (the same greedy output), measured, refused when malformed
+  for (const std::string c : {"--dspark-costs 0.5:1,1.1,1.2", "--dspark-costs=measure", "--dspark-costs default"}) {
+    ASSERT_EQ(run(dsx + " generate -m " + F.dir + " --ids " + ids + " -n 40 --stats " + c, &log), 0) << log;
+    EXPECT_NE(log.find(off), std::string::npos) << c << ": " << log;
+    EXPECT_NE(log.find("DSpark costs "), std::string::npos) << c << ": " << log;
+  }
+  EXPECT_NE(log.find("DSpark costs built-in: draft 0.15"), std::string::npos) << log;
+  ASSERT_EQ(run(dsx + " generate -m " + F.dir + " --ids " + ids + " -n 4 --stats --dspark-costs measure", &log), 0);
+  EXPECT_NE(log.find("DSpark costs measured on cpu: draft "), std::string::npos) << log;
+  EXPECT_NE(run(dsx + " generate -m " + F.dir + " --ids " + ids + " --dspark-costs 1:2,3", &log), 0);
+  EXPECT_NE(log.find("C(1) = 1"), std::string::npos) << log;
   EXPECT_EQ(run(dsx + " generate --help", &log), 0);
   EXPECT_NE(log.find("--dspark off|on|static K"), std::string::npos) << log;
   EXPECT_EQ(run(dsx + " run --help", &log), 0);

@@ -127,9 +127,18 @@ int bench_dspark_model(Engine& eng, const std::string& dir, const DSparkBenchOpt
   // one session per strategy, each reused across the prompts (a prompt's shared prefix
   // is then computed by the same kind of prefill on both: a prefill's numbers may depend
   // on how its rows were split into passes)
+  // the schedule's costs measured on this engine (printed; used with --dspark-costs measure)
+  DSparkOptions dso;
+  const DSparkSchedule measured = measure_schedule(eng, *drafter);
+  std::printf("# schedule costs measured: %s\n", measured.describe().c_str());
+  if (o.costs == "measure")
+    dso.schedule = measured;
+  else if (o.costs != "default")
+    dso.schedule = parse_schedule_costs(o.costs);
+  std::printf("# schedule costs used (%s): %s\n", o.costs.c_str(), dso.schedule.describe().c_str());
   auto sp = eng.new_session(), sd = eng.new_session();
   PlainDecoding plain;
-  DSparkDecoding ds(*drafter);
+  DSparkDecoding ds(*drafter, dso);
   {  // warm-up: graphs of both paths captured, one-time costs out of the figures
     GenerateOptions w = go;
     w.max_tokens = std::min<int64_t>(64, o.tokens);

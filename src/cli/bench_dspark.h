@@ -17,6 +17,7 @@ struct DSparkBenchOptions {
   int prompts = 0;         // per category (0: all of them)
   std::string categories = "code,agent";
   int iters = 20;          // synthetic: timed repetitions
+  std::string costs = "default";  // the schedule's table: default | measure | D:C1,..
 };
 
 // Returns the process exit status: 0, or 1 when a DSpark output differs from plain.

@@ -130,12 +130,13 @@ int cmd_generate(int argc0, char** argv0) {
   const EngineOptions eo = engine_options(a);
   auto eng = load_engine(dir, eo);
   print_placement_at_load(*eng, eo);
+  const DSparkSetup ds = setup_dspark(dspark, dir, *eng);  // (before the session: it may measure on a scratch one)
   auto s = eng->new_session();
-  const DSparkSetup ds = setup_dspark(dspark, dir, *eng);
   PlainDecoding plain;
   DecodingStrategy& strategy = ds.strategy ? static_cast<DecodingStrategy&>(*ds.strategy) : plain;
   const GenerateResult r = generate(*s, ids, go, strategy);
-  if (a.has("--stats") && ds.strategy) std::fprintf(stderr, "%s\n", ds.strategy->stats().summary().c_str());
+  if (a.has("--stats") && ds.strategy)
+    std::fprintf(stderr, "%s\nDSpark costs %s\n", ds.strategy->stats().summary().c_str(), ds.costs.c_str());
   std::string line;
   for (size_t i = 0; i < r.ids.size(); ++i) line += (i ? " " : "") + std::to_string(r.ids[i]);
   std::printf("%s\n", line.c_str());

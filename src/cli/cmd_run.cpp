@@ -150,9 +150,9 @@ int cmd_run(int argc, char** argv) {
   const ModelConfig& cfg = eng->config();
   for (int32_t id : ids)
     if (id >= cfg.vocab_size) fail("the tokenizer produced id ", id, " beyond the model's vocabulary (", cfg.vocab_size, ")");
+  const DSparkSetup ds = setup_dspark(dspark, dir, *eng);  // (before the session: it may measure on a scratch one)
   auto s = eng->new_session();
   text::StreamTokenText detok(tok);
-  const DSparkSetup ds = setup_dspark(dspark, dir, *eng);
   PlainDecoding plain;
   DecodingStrategy& strategy = ds.strategy ? static_cast<DecodingStrategy&>(*ds.strategy) : plain;
   const GenerateResult r = generate(*s, ids, go, strategy, &detok, [](std::string_view piece, const std::vector<int32_t>&) {
@@ -175,7 +175,7 @@ int cmd_run(int argc, char** argv) {
                  "%.3f s decode (%.1f tok/s); finish: %s\n",
                  static_cast<long long>(r.prompt_tokens), static_cast<long long>(r.reused_tokens), r.prefill_seconds,
                  static_cast<long long>(r.generated_tokens), r.decode_seconds, tps, finish_reason_name(r.finish));
-    if (ds.strategy) std::fprintf(stderr, "%s\n", ds.strategy->stats().summary().c_str());
+    if (ds.strategy) std::fprintf(stderr, "%s\nDSpark costs %s\n", ds.strategy->stats().summary().c_str(), ds.costs.c_str());
   }
   return 0;
 }

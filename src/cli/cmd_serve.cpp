@@ -182,8 +182,9 @@ int cmd_serve(int argc, char** argv) {
   if (ds.strategy) {
     so.scheduler.drafter = ds.drafter.get();
     so.scheduler.dspark = ds.strategy->options();
-    std::fprintf(stderr, "dsx serve: DSpark %s (%d draft stages on %s, block %d)\n", ds.name.c_str(),
-                 ds.drafter->n_stages(), ds.drafter->backend_name().c_str(), ds.drafter->block_size());
+    std::fprintf(stderr, "dsx serve: DSpark %s (%d draft stages on %s, block %d); costs %s\n", ds.name.c_str(),
+                 ds.drafter->n_stages(), ds.drafter->backend_name().c_str(), ds.drafter->block_size(),
+                 ds.costs.c_str());
   } else {
     std::fprintf(stderr, "dsx serve: plain decoding (DSpark off)\n");
   }

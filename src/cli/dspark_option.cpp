@@ -16,7 +16,11 @@ const char* const kDSparkHelp =
     "                      verify per cycle from the drafter's confidences, static K always\n"
     "                      verifies K (0 .. dspark_block_size); default on when the model\n"
     "                      has stages (the drafter computes on the engine's backend: the\n"
-    "                      CUDA drafter, in the engine's precision, for cuda)\n";
+    "                      CUDA drafter, in the engine's precision, for cuda)\n"
+    "  --dspark-costs measure|default|D:C1,..,CN  the schedule's cost table: the drafter\n"
+    "                      pass D and a verify of 1..N rows C(N), in one-row steps;\n"
+    "                      measure times them on the engine at load (a seed then fixes\n"
+    "                      sampled output only with a given table); default: built-in\n";
 
 namespace {
 bool is_number(const std::string& s) {
@@ -42,6 +46,7 @@ DSparkChoice parse_dspark(const std::string& v) {
 
 DSparkChoice take_dspark(int argc, char** argv, const std::vector<std::string>& value_opts, std::vector<char*>& rest) {
   DSparkChoice c;
+  std::string costs;
   rest.assign(argv, argv + (argc > 0 ? 1 : 0));
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -56,15 +61,20 @@ DSparkChoice take_dspark(int argc, char** argv, const std::vector<std::string>& 
       c = parse_dspark(v);
     } else if (a.rfind("--dspark=", 0) == 0) {
       c = parse_dspark(a.substr(9));
+    } else if (a == "--dspark-costs" || a.rfind("--dspark-costs=", 0) == 0) {
+      if (a == "--dspark-costs" && i + 1 >= argc) fail("option --dspark-costs needs a value (measure, default or D:C1,..)");
+      costs = a == "--dspark-costs" ? argv[++i] : a.substr(15);
+      if (costs != "measure" && costs != "default") parse_schedule_costs(costs);  // (fails early on a bad table)
     } else {
       rest.push_back(argv[i]);
       if (std::find(value_opts.begin(), value_opts.end(), a) != value_opts.end() && i + 1 < argc) rest.push_back(argv[++i]);
     }
   }
+  c.costs = costs;
   return c;
 }
 
-DSparkSetup setup_dspark(const DSparkChoice& c, const std::string& dir, const Engine& eng) {
+DSparkSetup setup_dspark(const DSparkChoice& c, const std::string& dir, Engine& eng) {
   DSparkSetup s;
   if (c.mode == DSparkChoice::Mode::Off) return s;
   std::string why;
@@ -90,6 +100,18 @@ DSparkSetup setup_dspark(const DSparkChoice& c, const std::string& dir, const En
     s.name = cat("static ", c.k);
   } else {
     s.name = "on";
+  }
+  const std::string costs = c.costs.empty() ? "default" : c.costs;
+  if (o.schedule.static_k >= 0) {
+    s.costs = "none (static K)";
+  } else if (costs == "measure") {
+    o.schedule = measure_schedule(eng, *s.drafter, o.schedule);
+    s.costs = "measured on " + eng.backend_name() + ": " + o.schedule.describe();
+  } else if (costs == "default") {
+    s.costs = "built-in: " + o.schedule.describe();
+  } else {
+    o.schedule = parse_schedule_costs(costs, o.schedule);
+    s.costs = "given: " + o.schedule.describe();
   }
   s.strategy = std::make_unique<DSparkDecoding>(*s.drafter, o);
   return s;

@@ -23,14 +23,19 @@ namespace dsx::cli {
 struct DSparkChoice {
   enum class Mode { Default, Off, On, Static } mode = Mode::Default;
   int k = 0;  // Static
+  // --dspark-costs: "measure", "default" or "D:C1,..,CN" (parse_schedule_costs); empty:
+  // the built-in table (measured tables chose fewer drafts and ran slower on the CPU:
+  // the confidences underestimate acceptance; bench/RESULTS.md)
+  std::string costs;
 };
 
 // Parses "off", "on", "static K", "static=K", "static:K". Throws dsx::Error otherwise.
 DSparkChoice parse_dspark(const std::string& v);
 
-// Takes every --dspark VALUE / --dspark=VALUE out of argv[0..argc) (the value "static"
-// takes the number after it too), the last one wins; `rest` gets the other arguments
-// (argv[0] first). Values of the options in value_opts are skipped, as Args reads them.
+// Takes every --dspark VALUE / --dspark=VALUE and --dspark-costs VALUE out of
+// argv[0..argc) (the value "static" takes the number after it too), the last one wins;
+// `rest` gets the other arguments (argv[0] first). Values of the options in value_opts
+// are skipped, as Args reads them.
 DSparkChoice take_dspark(int argc, char** argv, const std::vector<std::string>& value_opts, std::vector<char*>& rest);
 
 // The strategy generation runs with: DSpark (drafter and strategy set), or plain
@@ -39,8 +44,10 @@ struct DSparkSetup {
   std::unique_ptr<Drafter> drafter;
   std::unique_ptr<DSparkDecoding> strategy;
   std::string name = "off";
+  std::string costs;  // where the schedule's cost table came from, and the table
 };
-DSparkSetup setup_dspark(const DSparkChoice& c, const std::string& model_dir, const Engine& eng);
+// Measuring the costs (--dspark-costs measure) runs steps on a scratch session of eng.
+DSparkSetup setup_dspark(const DSparkChoice& c, const std::string& model_dir, Engine& eng);
 
 // The --help lines of the option.
 extern const char* const kDSparkHelp;

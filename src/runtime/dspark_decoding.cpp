@@ -8,6 +8,8 @@
 #include <cmath>
 #include <cstdio>
 #include <map>
+#include <random>
+#include <sstream>
 
 #include "util/error.h"
 
@@ -128,6 +130,12 @@ SpeculativeResult speculative_block(const double* p, const double* q, const int3
   return r;
 }
 
+namespace {
+constexpr int64_t kOnePieceTapBytes = int64_t{256} << 20;  // (host taps of a one-step prefill)
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+}  // namespace
+
 // ---- choosing k --------------------------------------------------------------------------------
 double DSparkSchedule::cost(int rows) const {
   const int m = static_cast<int>(verify_cost.size());
@@ -135,6 +143,110 @@ double DSparkSchedule::cost(int rows) const {
   if (rows <= m) return verify_cost[static_cast<size_t>(std::max(rows, 1) - 1)];
   const double step = m >= 2 ? verify_cost[static_cast<size_t>(m - 1)] - verify_cost[static_cast<size_t>(m - 2)] : 1.0;
   return verify_cost[static_cast<size_t>(m - 1)] + step * (rows - m);
+}
+
+std::string DSparkSchedule::describe() const {
+  char b[64];
+  std::snprintf(b, sizeof b, "draft %.2f; verify 1-%zu rows:", draft_cost, verify_cost.size());
+  std::string r = b;
+  for (double c : verify_cost) {
+    std::snprintf(b, sizeof b, " %.2f", c);
+    r += b;
+  }
+  return r;
+}
+
+DSparkSchedule parse_schedule_costs(const std::string& v, const DSparkSchedule& base) {
+  const size_t colon = v.find(':');
+  if (colon == std::string::npos)
+    fail("DSpark costs '", v, "': expected D:C1,C2,... (the draft cost, then the verify cost of 1, 2, .. rows)");
+  auto number = [&](const std::string& t) {
+    size_t used = 0;
+    double x = 0;
+    try {
+      x = std::stod(t, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != t.size() || !std::isfinite(x) || x < 0)
+      fail("DSpark costs '", v, "': '", t, "' is not a non-negative number");
+    return x;
+  };
+  DSparkSchedule s = base;
+  s.draft_cost = number(v.substr(0, colon));
+  s.verify_cost.clear();
+  std::stringstream ss(v.substr(colon + 1));
+  std::string t;
+  while (std::getline(ss, t, ',')) s.verify_cost.push_back(number(t));
+  if (s.verify_cost.empty() || std::abs(s.verify_cost[0] - 1.0) > 1e-9)
+    fail("DSpark costs '", v, "': the verify costs must start with C(1) = 1 (units of a one-row step)");
+  return s;
+}
+
+DSparkSchedule measure_schedule(Engine& eng, const Drafter& d, const DSparkSchedule& base, int iters, int64_t context) {
+  DSX_CHECK(eng.tap_width() == d.tap_width(), "DSpark costs: the engine's taps are ", eng.tap_width(),
+            " wide, the drafter's ", d.tap_width());
+  const int B = d.block_size();
+  const int64_t V = d.vocab_size(), TW = d.tap_width();
+  const int rows_max = std::min(B + 1, eng.options().rollback_depth);
+  const int pend = std::max(1, B - 1);  // committed rows a cycle's drafter pass computes
+  context = std::max<int64_t>(context, pend + 2);
+  const int64_t cap = eng.options().max_context;
+  DSX_CHECK(rows_max >= 1 && (cap <= 0 || context + rows_max <= cap), "DSpark costs: a context of ", context, " + ",
+            rows_max, " rows does not fit the engine's ", cap, " tokens");
+  iters = std::max(iters, 1);
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<int32_t> tok(3, static_cast<int32_t>(std::min<int64_t>(V, 128000) - 1));
+  std::vector<int32_t> prompt(static_cast<size_t>(context));
+  for (auto& x : prompt) x = tok(rng);
+  auto s = eng.new_session();
+  std::vector<float> taps(static_cast<size_t>(context * TW));
+  {
+    Step st;
+    st.feeds.push_back(Feed{s.get(), prompt.data(), context, nullptr, taps.data(), nullptr, nullptr});
+    eng.step(st);
+  }
+  DSparkContext ctx(d);
+  ctx.observe(prompt.data(), taps.data(), context);
+  const int64_t n = context;
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  std::vector<double> t(static_cast<size_t>(rows_max) + 1);
+  std::vector<int32_t> ids(static_cast<size_t>(rows_max)), picks(static_cast<size_t>(rows_max));
+  std::vector<float> vtaps(static_cast<size_t>(rows_max * TW));
+  for (int r = 1; r <= rows_max; ++r) {
+    for (auto& x : ids) x = tok(rng);
+    Step st;
+    st.feeds.push_back(Feed{s.get(), ids.data(), r, nullptr, vtaps.data(), nullptr, picks.data()});
+    std::vector<double> ts;
+    for (int i = 0; i < iters + 2; ++i) {
+      const Clock::time_point t0 = Clock::now();
+      eng.step(st);
+      const double dt = since(t0);
+      s->rollback(n);
+      if (i >= 2) ts.push_back(dt);
+    }
+    t[static_cast<size_t>(r)] = median(ts);
+  }
+  std::vector<double> td;
+  const int64_t p0 = n - pend;
+  for (int i = 0; i < iters + 2; ++i) {
+    ctx.truncate(p0);
+    ctx.observe(prompt.data() + p0, taps.data() + p0 * TW, pend);
+    const Clock::time_point t0 = Clock::now();
+    const std::unique_ptr<DraftBlock> blk = d.draft_block(ctx.state(), prompt[static_cast<size_t>(n - 1)], n);
+    d.greedy(*blk, /*full=*/false);
+    const double dt = since(t0);
+    if (i >= 2) td.push_back(dt);
+  }
+  DSparkSchedule out = base;
+  const double one = std::max(t[1], 1e-12);
+  out.verify_cost.clear();
+  for (int r = 1; r <= rows_max; ++r) out.verify_cost.push_back(r == 1 ? 1.0 : t[static_cast<size_t>(r)] / one);
+  out.draft_cost = median(td) / one;
+  return out;
 }
 
 int choose_k(const DSparkSchedule& s, const float* conf, int n, int max_k, std::vector<double>* survival) {
@@ -211,11 +323,6 @@ std::string DSparkStats::summary() const {
   return s;
 }
 
-namespace {
-constexpr int64_t kOnePieceTapBytes = int64_t{256} << 20;  // (host taps of a one-step prefill)
-using Clock = std::chrono::steady_clock;
-double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-}  // namespace
 
 // ---- one cycle ---------------------------------------------------------------------------------
 DSparkCycle::DSparkCycle(const Drafter& drafter, DSparkOptions o) : d_(drafter), o_(std::move(o)) { reset_stats(); }

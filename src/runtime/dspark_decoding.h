@@ -109,7 +109,25 @@ struct DSparkSchedule {
   std::vector<double> verify_cost = {1.0, 1.06, 1.12, 1.18, 1.24, 1.30};  // N = 1 .. 6 rows
   // C(N); beyond the table: extrapolated with its last step.
   double cost(int rows) const;
+  // "draft D; verify 1-N rows: C(1) .. C(N)"
+  std::string describe() const;
 };
+
+// The cost table measured on an engine and a drafter (the schedule's C(N) and draft
+// cost; rule (b) above): a scratch session fed a random prompt of `context` tokens with
+// taps, then per row count N = 1 .. B + 1 (at most the rollback depth) the median wall
+// time of `iters` verify-shaped steps (the taps and the greedy pick of every row, rolled
+// back) after two warm-up steps (CUDA: the eager run, then the graph's capture), and the
+// median of `iters` drafter passes at that position with B - 1 committed rows pending
+// (a cycle's shape); all in units of the one-row step. static_k and threshold come from
+// base. Wall times vary between runs: k chosen from a measured table may differ between
+// runs, which leaves greedy output unchanged and sampled output exact in distribution,
+// but a seed then no longer fixes the sample (a table given as numbers does).
+DSparkSchedule measure_schedule(Engine& eng, const Drafter& d, const DSparkSchedule& base = {}, int iters = 5,
+                                int64_t context = 64);
+// "D:C1,C2,...,CN" (draft cost, then C(1) .. C(N); C(1) = 1) -> the table, static_k and
+// threshold from base. Throws dsx::Error naming the problem.
+DSparkSchedule parse_schedule_costs(const std::string& v, const DSparkSchedule& base = {});
 
 // k for one block: conf_logits [n] (n = block rows drafted), at most max_k (<= n).
 // survival (optional) gets A_1 .. A_n.
