@@ -361,6 +361,8 @@ TEST(Server, ReplayedAnswerIsNotPrefilledAgain) {
 TEST(Server, ConcurrentClientsAllComplete) {
   SERVE(s, 8);
   std::atomic<int> ok{0}, bad{0};
+  std::mutex mu;
+  std::string first_bad;  // (what the first failed request got)
   std::vector<std::thread> th;
   for (int i = 0; i < 16; ++i)
     th.emplace_back([&, i] {
@@ -373,10 +375,17 @@ TEST(Server, ConcurrentClientsAllComplete) {
           for (const auto& ch : sse(r->body))
             if (ch.contains("choices") && !ch["choices"].empty() && ch["choices"][0]["finish_reason"].is_string()) fin = true;
         (fin ? ok : bad)++;
+        if (!fin) {
+          std::lock_guard<std::mutex> lk(mu);
+          if (first_bad.empty())
+            first_bad = "client " + std::to_string(i) + " request " + std::to_string(k) + ": " +
+                        (!r ? "no response (" + httplib::to_string(r.error()) + ")"
+                            : "status " + std::to_string(r->status) + ": " + r->body.substr(0, 2000));
+        }
       }
     });
   for (auto& t : th) t.join();
-  EXPECT_EQ(ok.load(), 64);
+  EXPECT_EQ(ok.load(), 64) << first_bad;
   EXPECT_EQ(bad.load(), 0);
   auto c = client(*s);
   auto m = c.Get("/metrics");

@@ -1,6 +1,8 @@
 #include "server/http.h"
 
 #include <httplib.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 
 #include <chrono>
 #include <cstdio>
@@ -26,6 +28,22 @@ std::string openai_error(const std::string& type, const std::string& msg, const 
 
 bool is_anthropic_path(const std::string& p) { return p.rfind("/v1/messages", 0) == 0; }
 
+constexpr int kListenBacklog = 1024;
+
+// fd is a listening socket bound to `port` (the hook's last socket may be one whose bind
+// failed and was closed: httplib tries every address of the host).
+bool is_listening_on(int fd, int port) {
+  int acc = 0;
+  socklen_t len = sizeof acc;
+  if (getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &acc, &len) != 0 || !acc) return false;
+  sockaddr_storage ss{};
+  socklen_t sl = sizeof ss;
+  if (getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &sl) != 0) return false;
+  if (ss.ss_family == AF_INET) return ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port) == port;
+  if (ss.ss_family == AF_INET6) return ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port) == port;
+  return false;
+}
+
 }  // namespace
 
 HttpServer::HttpServer(Engine& eng, const text::Tokenizer& tok, ServeOptions o)
@@ -39,6 +57,14 @@ HttpServer::HttpServer(Engine& eng, const text::Tokenizer& tok, ServeOptions o)
   http_ = std::make_unique<httplib::Server>();
   const int threads = o_.threads;
   http_->new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<size_t>(threads)); };
+  // httplib's own options (SO_REUSEADDR), and the listening socket kept: bind() raises
+  // its backlog from httplib 0.11's 5 (a burst of connections before the accept loop
+  // runs, e.g. agents' parallel requests right after a start, overflowed it: the
+  // clients' first requests got their connections dropped, "no response (Read)")
+  http_->set_socket_options([this](socket_t sock) {
+    httplib::default_socket_options(sock);
+    listen_fd_.store(static_cast<int>(sock));
+  });
   routes();
 }
 
@@ -65,10 +91,13 @@ void HttpServer::stop() {
 bool HttpServer::bind() {
   if (o_.port == 0) {
     bound_port_ = http_->bind_to_any_port(o_.host.c_str());
-    return bound_port_ > 0;
+    if (bound_port_ <= 0) return false;
+  } else {
+    if (!http_->bind_to_port(o_.host.c_str(), o_.port)) return false;
+    bound_port_ = o_.port;
   }
-  if (!http_->bind_to_port(o_.host.c_str(), o_.port)) return false;
-  bound_port_ = o_.port;
+  // (listen() again on a listening socket sets its backlog; the kernel caps it at somaxconn)
+  if (const int fd = listen_fd_.load(); fd >= 0 && is_listening_on(fd, bound_port_)) ::listen(fd, kListenBacklog);
   return true;
 }
 

@@ -60,6 +60,7 @@ class HttpServer {
   std::unique_ptr<Scheduler> sched_;
   std::unique_ptr<httplib::Server> http_;
   int bound_port_ = 0;
+  std::atomic<int> listen_fd_{-1};  // the listening socket (set by httplib's socket-options hook)
   std::atomic<int64_t> http_requests_{0}, http_errors_{0}, next_id_{1};
   // stop() before, during or after the start of listen_after_bind() (httplib's own stop()
   // does nothing before its accept loop runs, which then never ends)
