@@ -187,6 +187,11 @@ class Session {
   // Keeps a checkpoint at the current position (the prefix sync also keeps its own).
   void checkpoint();
   std::vector<int64_t> checkpoints() const;  // their positions, ascending
+  // The end of the prefill piece from position q toward n that sync() feeds in one step:
+  // where the next checkpoint is due (checkpoint_every tokens after the last one, at
+  // least q + 1), else n. A prefill that must compute the numbers sync's would (the same
+  // rows in the same passes) feeds the same pieces.
+  int64_t piece_end(int64_t q, int64_t n) const;
 
   // Snapshots: a header (model identity, geometry, position) and the state sections,
   // streamed (util/snapshot_io.h). restore refuses foreign-model, other-geometry,

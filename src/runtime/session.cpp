@@ -104,6 +104,12 @@ void Session::take_checkpoint() {
 
 void Session::checkpoint() { take_checkpoint(); }
 
+int64_t Session::piece_end(int64_t q, int64_t n) const {
+  const int64_t every = eng_.options().checkpoint_every;
+  const int64_t last = cps_.empty() ? 0 : cps_.back()->pos;
+  return every > 0 ? std::min(n, std::max(q + 1, last + every)) : n;
+}
+
 void Session::maybe_checkpoint() {
   const int64_t every = eng_.options().checkpoint_every;
   if (every <= 0) return;
@@ -139,9 +145,7 @@ void Session::go_back(int64_t target, SyncResult* r) {
     r->reused = from;  // (the replayed tokens are computed again)
   }
   for (int64_t q = from; q < target;) {
-    const int64_t every = eng_.options().checkpoint_every;
-    const int64_t last = cps_.empty() ? 0 : cps_.back()->pos;
-    const int64_t end = every > 0 ? std::min(target, std::max(q + 1, last + every)) : target;
+    const int64_t end = piece_end(q, target);
     feed(replay.data() + q, end - q, nullptr, false);
     q = end;
   }
@@ -163,10 +167,8 @@ SyncResult Session::sync(const int32_t* ids, int64_t n, float* logits) {
   if (r.reused < 0) r.reused = position();
   r.prefilled = n - r.reused;
   // prefill the rest, in pieces that end where a checkpoint is due
-  const int64_t every = eng_.options().checkpoint_every;
   for (int64_t q = position(); q < n;) {
-    const int64_t last = cps_.empty() ? 0 : cps_.back()->pos;
-    const int64_t end = every > 0 ? std::min(n, std::max(q + 1, last + every)) : n;
+    const int64_t end = piece_end(q, n);
     feed(ids + q, end - q, end == n ? logits : nullptr, false);
     q = end;
   }

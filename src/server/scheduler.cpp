@@ -165,8 +165,11 @@ SchedulerStats Scheduler::stats() const {
 // prefix when the session can go back to it directly (the rollback depth), else its
 // nearest checkpoint at or before it (Session::sync replays the rest).
 int64_t Scheduler::live_reuse(const Slot& sl, const std::vector<int32_t>& prompt, int64_t goal) const {
+  return live_reuse(sl, common_prefix(sl.s->tokens(), prompt, goal));
+}
+
+int64_t Scheduler::live_reuse(const Slot& sl, int64_t c) const {
   const Session& s = *sl.s;
-  const int64_t c = common_prefix(s.tokens(), prompt, goal);
   if (s.position() - c <= eng_.options().rollback_depth) return c;
   int64_t best = 0;
   for (int64_t cp : s.checkpoints())
@@ -399,13 +402,16 @@ void Scheduler::begin_prefill(Active& a) {
   const std::vector<int32_t>& p = a.job->prompt;
   const int64_t goal = static_cast<int64_t>(p.size()) - 1;
   int64_t reused = 0;
-  bool restored = false;
+  bool restored = false, touched = false;  // (touched: a restore attempt may have reset the session)
+  // the session's prefix shared with the prompt, scanned once (and again after a failed restore)
+  int64_t common = common_prefix(s.tokens(), p, goal);
   if (sl.prompt_end > 0) {
     a.prev_prompt = sl.prompt_end;
-    a.prev_common = common_prefix(s.tokens(), p, goal);
+    a.prev_common = common;
   }
-  if (o_.cache && a.hit && a.hit->tokens > live_reuse(sl, p, goal)) {
-    save_leaving(sl, common_prefix(s.tokens(), p, goal), SaveReason::Evict);
+  if (o_.cache && a.hit && a.hit->tokens > live_reuse(sl, common)) {
+    save_leaving(sl, common, SaveReason::Evict);
+    touched = true;
     for (int attempt = 0; a.hit && attempt < 4; ++attempt) {
       const auto t0 = Clock::now();
       try {
@@ -437,7 +443,7 @@ void Scheduler::begin_prefill(Active& a) {
     sl.saved.assign(1, reused);
     sl.prompt_end = -1;
   } else {
-    const int64_t c = common_prefix(s.tokens(), p, goal);
+    const int64_t c = touched ? common_prefix(s.tokens(), p, goal) : common;
     save_leaving(sl, c, SaveReason::Evict);
     if (c == 0) {
       if (s.position() > 0) s.rollback(0);
@@ -515,11 +521,9 @@ void Scheduler::prefill_with_taps(Slot& sl, const int32_t* ids, int64_t to) {
   Session& s = *sl.s;
   DSparkContext& ctx = *sl.ctx;
   ctx.align(s.tokens().data(), s.position());
-  const int64_t every = eng_.options().checkpoint_every, TW = eng_.tap_width();
+  const int64_t TW = eng_.tap_width();
   for (int64_t q = s.position(); q < to;) {
-    const std::vector<int64_t> cps = s.checkpoints();
-    const int64_t last = cps.empty() ? 0 : cps.back();
-    const int64_t end = every > 0 ? std::min(to, std::max(q + 1, last + every)) : to;
+    const int64_t end = s.piece_end(q, to);
     taps_.resize(static_cast<size_t>((end - q) * TW));
     Step st;
     st.feeds.push_back(Feed{&s, ids + q, end - q, nullptr, taps_.data(), nullptr, nullptr});

@@ -198,6 +198,7 @@ class Scheduler {
   int64_t output_left(const Active& a, int64_t pos) const;
   bool slot_available() const;
   int64_t live_reuse(const Slot& sl, const std::vector<int32_t>& prompt, int64_t goal) const;
+  int64_t live_reuse(const Slot& sl, int64_t common) const;  // (common: its tokens' prefix shared with the prompt)
   std::vector<std::pair<int64_t, SaveReason>> save_points(const std::vector<int32_t>& prompt, int64_t from,
                                                           int64_t goal, bool cold) const;
   bool save_state(Slot& sl, SaveReason why);
