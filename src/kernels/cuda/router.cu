@@ -498,8 +498,9 @@ void launch_fused_r(const FusedParams& p, cudaStream_t stream) {
       return;
     }
   }
-  DSX_CHECK(sel_bytes <= detail::max_dynamic_smem(router_fused_kernel<F, TT, R, false>), "router: ", p.T, " x ",
-            p.E, " scores exceed a block's shared memory");
+  if constexpr (TT >= 2)
+    DSX_CHECK(sel_bytes <= detail::max_dynamic_smem(router_fused_kernel<F, TT, R, false>), "router: ", p.T, " x ",
+              p.E, " scores exceed a block's shared memory");
   detail::launch_pdl(router_fused_kernel<F, TT, R, false>, dim3(blocks), dim3(kThreads), sel_bytes, stream, p);
 }
 
