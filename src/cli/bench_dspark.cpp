@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/dspark_option.h"
 #include "runtime/dspark_decoding.h"
 #include "runtime/generate.h"
 #include "text/chat.h"
@@ -131,11 +132,9 @@ int bench_dspark_model(Engine& eng, const std::string& dir, const DSparkBenchOpt
   DSparkOptions dso;
   const DSparkSchedule measured = measure_schedule(eng, *drafter);
   std::printf("# schedule costs measured: %s\n", measured.describe().c_str());
-  if (o.costs == "measure")
-    dso.schedule = measured;
-  else if (o.costs != "default")
-    dso.schedule = parse_schedule_costs(o.costs);
-  std::printf("# schedule costs used (%s): %s\n", o.costs.c_str(), dso.schedule.describe().c_str());
+  std::string used;
+  dso.schedule = dspark_costs_schedule(o.costs, dso.schedule, eng, *drafter, &used, &measured);
+  std::printf("# schedule costs used: %s\n", used.c_str());
   auto sp = eng.new_session(), sd = eng.new_session();
   PlainDecoding plain;
   DSparkDecoding ds(*drafter, dso);

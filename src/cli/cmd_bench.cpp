@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "cli/bench_dspark.h"
-#include "runtime/dspark_decoding.h"
+#include "cli/dspark_option.h"
 #include "cli/gpus_option.h"
 #include "cli/registry.h"
 #include "runtime/bench_report.h"
@@ -193,8 +193,7 @@ int cmd_bench(int argc, char** argv) {
     d.tokens = a.get_int("--dspark-tokens", 512);
     d.categories = a.get_or("--dspark-prompts", "code,agent");
     d.prompts = static_cast<int>(a.get_int("--dspark-per-category", 0));
-    d.costs = a.get_or("--dspark-costs", "default");
-    if (d.costs != "default" && d.costs != "measure") parse_schedule_costs(d.costs);  // (a bad table fails here)
+    d.costs = check_dspark_costs(a.get_or("--dspark-costs", "default"));  // (a bad table fails here)
     d.iters = static_cast<int>(a.get_int("--iters", 20));
     if (d.tokens < 2) fail("--dspark-tokens must be >= 2");
     std::printf("# dsx bench: %s\n", eng->describe().c_str());

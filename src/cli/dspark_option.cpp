@@ -63,8 +63,7 @@ DSparkChoice take_dspark(int argc, char** argv, const std::vector<std::string>& 
       c = parse_dspark(a.substr(9));
     } else if (a == "--dspark-costs" || a.rfind("--dspark-costs=", 0) == 0) {
       if (a == "--dspark-costs" && i + 1 >= argc) fail("option --dspark-costs needs a value (measure, default or D:C1,..)");
-      costs = a == "--dspark-costs" ? argv[++i] : a.substr(15);
-      if (costs != "measure" && costs != "default") parse_schedule_costs(costs);  // (fails early on a bad table)
+      costs = check_dspark_costs(a == "--dspark-costs" ? argv[++i] : a.substr(15));  // (a bad table fails here)
     } else {
       rest.push_back(argv[i]);
       if (std::find(value_opts.begin(), value_opts.end(), a) != value_opts.end() && i + 1 < argc) rest.push_back(argv[++i]);
@@ -72,6 +71,29 @@ DSparkChoice take_dspark(int argc, char** argv, const std::vector<std::string>& 
   }
   c.costs = costs;
   return c;
+}
+
+const std::string& check_dspark_costs(const std::string& v) {
+  if (v != "measure" && v != "default") parse_schedule_costs(v);
+  return v;
+}
+
+DSparkSchedule dspark_costs_schedule(const std::string& v, const DSparkSchedule& base, Engine& eng, const Drafter& d,
+                                     std::string* label, const DSparkSchedule* measured) {
+  DSparkSchedule s = base;
+  std::string how;
+  if (v == "measure") {
+    s = measured ? *measured : measure_schedule(eng, d, base);
+    s.static_k = base.static_k, s.threshold = base.threshold;
+    how = "measured on " + eng.backend_name();
+  } else if (v == "default") {
+    how = "built-in";
+  } else {
+    s = parse_schedule_costs(v, base);
+    how = "given";
+  }
+  if (label) *label = how + ": " + s.describe();
+  return s;
 }
 
 DSparkSetup setup_dspark(const DSparkChoice& c, const std::string& dir, Engine& eng) {
@@ -101,18 +123,10 @@ DSparkSetup setup_dspark(const DSparkChoice& c, const std::string& dir, Engine& 
   } else {
     s.name = "on";
   }
-  const std::string costs = c.costs.empty() ? "default" : c.costs;
-  if (o.schedule.static_k >= 0) {
+  if (o.schedule.static_k >= 0)
     s.costs = "none (static K)";
-  } else if (costs == "measure") {
-    o.schedule = measure_schedule(eng, *s.drafter, o.schedule);
-    s.costs = "measured on " + eng.backend_name() + ": " + o.schedule.describe();
-  } else if (costs == "default") {
-    s.costs = "built-in: " + o.schedule.describe();
-  } else {
-    o.schedule = parse_schedule_costs(costs, o.schedule);
-    s.costs = "given: " + o.schedule.describe();
-  }
+  else
+    o.schedule = dspark_costs_schedule(c.costs.empty() ? "default" : c.costs, o.schedule, eng, *s.drafter, &s.costs);
   s.strategy = std::make_unique<DSparkDecoding>(*s.drafter, o);
   return s;
 }

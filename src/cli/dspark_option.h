@@ -46,6 +46,14 @@ struct DSparkSetup {
   std::string name = "off";
   std::string costs;  // where the schedule's cost table came from, and the table
 };
+// --dspark-costs VALUE: "measure", "default" or a table (parse_schedule_costs, whose
+// error a bad table throws); returns VALUE.
+const std::string& check_dspark_costs(const std::string& v);
+// The schedule of VALUE ("default": base's table; "measure": measure_schedule on eng, or
+// *measured when the caller has measured already; else the table given), static_k and
+// threshold from base; *label says where its costs came from, and the table.
+DSparkSchedule dspark_costs_schedule(const std::string& v, const DSparkSchedule& base, Engine& eng, const Drafter& d,
+                                     std::string* label, const DSparkSchedule* measured = nullptr);
 // Measuring the costs (--dspark-costs measure) runs steps on a scratch session of eng.
 DSparkSetup setup_dspark(const DSparkChoice& c, const std::string& model_dir, Engine& eng);
 
