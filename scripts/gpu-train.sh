@@ -6,10 +6,12 @@
 #   bash scripts/gpu-train.sh wait OUT     follow it until it ends (or ~9 minutes)
 #   bash scripts/gpu-train.sh dspark OUT   the 3 DSpark stages on the frozen target,
 #                                          the final model, CUDA checks, files into OUT
-#   bash scripts/gpu-train.sh finetune OUT one call (~9 minutes): the tool-call fine-tune of
-#                                          the committed model (train/data/synth_finetune.py
-#                                          data; its DSpark stages carried, optionally
-#                                          continued), CUDA checks, the model into OUT
+#   bash scripts/gpu-train.sh finetune OUT the tool-call fine-tune of the committed model
+#                                          (train/data/synth_finetune.py data; its DSpark
+#                                          stages carried, optionally continued), CUDA checks:
+#                                          started in the background, followed ~9 minutes,
+#                                          the model into OUT when it ended
+#   bash scripts/gpu-train.sh ft-wait OUT  follow it again (~9 minutes), the model into OUT
 # Inputs (carried): train/out/gpu_bundle.tar.xz (train/data/build_all.sh),
 # train/out/engram_cmap.safetensors (dsx engram-cmap), .device/gpubin.tar.xz (the
 # CUDA build's dsx). Environment: DSX_TRAIN_MINUTES (target, default 7),
@@ -20,9 +22,10 @@
 # DSX_FT_LR (default 8e-4), DSX_FT_WEIGHTS (class weights, default 1,1,3,12),
 # DSX_FT_DENSE (dense compressed attention for this fraction of the fine-tune, default 0.3:
 # the copies from the schema need gradients through rows the indexer does not pick yet),
+# DSX_FT_WINDOW (a new sliding_window for the fine-tuned model; default the start model's),
 # DSX_DSPARK_MINUTES (default 0 here: the carried stages as they are), DSX_EVAL_PROMPTS (200).
 set -uo pipefail
-phase=${1:?usage: gpu-train.sh target|wait|dspark|finetune OUT}
+phase=${1:?usage: gpu-train.sh target|wait|dspark|finetune|ft-wait OUT}
 out=${2:?usage: gpu-train.sh target|wait|dspark OUT}
 export PYTHONUNBUFFERED=1
 T=train/out
@@ -69,7 +72,19 @@ case $phase in
     cp $T/target/summary.json "$out/target_summary.json" 2>/dev/null
     ls -la "$out"
     ;;
-  finetune)
+  finetune)  # the job below in the background; follow it ~9 minutes, its files into OUT when it ended
+    mkdir -p "$out" $T && rm -rf $T/ft_out
+    setsid nohup bash scripts/gpu-train.sh ft-job $T/ft_out >$T/ft_job.log 2>&1 < /dev/null &
+    echo $! >$T/ft_job.pid
+    follow $T/ft_job.pid $T/ft_job.log "${DSX_FOLLOW_S:-540}"
+    kill -0 "$(cat $T/ft_job.pid)" 2>/dev/null || { cp $T/ft_out/* "$out"/ 2>/dev/null; cp $T/ft_job.log "$out"/; }
+    ;;
+  ft-wait)
+    mkdir -p "$out"
+    follow $T/ft_job.pid $T/ft_job.log "${DSX_FOLLOW_S:-560}"
+    kill -0 "$(cat $T/ft_job.pid)" 2>/dev/null || { cp $T/ft_out/* "$out"/ 2>/dev/null; cp $T/ft_job.log "$out"/; }
+    ;;
+  ft-job)
     mkdir -p "$out" /tmp/g $T && tar -xJf .device/gpubin.tar.xz -C /tmp/g || exit 1
     export LD_LIBRARY_PATH=/tmp/g/gpubin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     tar -xJf .device/ft_bundle.tar.xz -C $T || exit 1
@@ -81,7 +96,8 @@ case $phase in
       --tokenizer "$init/tokenizer.json" --data-dir $T/data/ft --token-classes $T/data/ft/train.classes.bin \
       --class-weights "${DSX_FT_WEIGHTS:-1,1,3,12}" --lr "${DSX_FT_LR:-8e-4}" --warmup-frac 0.05 --min-lr-frac 0.1 \
       --max-minutes "${DSX_FT_MINUTES:-3}" --steps 1000000 --batch "${DSX_TRAIN_BATCH:-32}" --seq 1024 \
-      --dense-warmup-frac "${DSX_FT_DENSE:-0.3}" --engine-windows 0 --out $T/ft_target >$L/ft_target.log 2>&1
+      --dense-warmup-frac "${DSX_FT_DENSE:-0.3}" ${DSX_FT_WINDOW:+--window "$DSX_FT_WINDOW"} --engine-windows 0 \
+      --out $T/ft_target >$L/ft_target.log 2>&1
     grep -v '^{"step"' $L/ft_target.log | grep -v Warning | tail -n 3; grep '^{"step"' $L/ft_target.log | awk 'NR % 10 == 1' | cut -c1-120
     cp $T/ft_target/summary.json $L/ft_target_summary.json
     m=$T/ft_target/model

@@ -270,6 +270,9 @@ def main(argv=None):
     ap.add_argument("--token-classes", default=None, help="uint8 per token of the train file: the class of each "
                     "token (e.g. synth_finetune.py's 0 context, 1 assistant turn, 2 tool / parameter name)")
     ap.add_argument("--class-weights", default="1,1,1", help="loss weight of each token class (comma list)")
+    ap.add_argument("--window", type=int, default=None, help="sliding_window of the trained model (default: the "
+                    "config's, or the --init checkpoint's); the weights do not depend on it, so a fine-tune can "
+                    "widen the window of an --init checkpoint")
     args = ap.parse_args(argv)
 
     if args.smoke:
@@ -321,6 +324,10 @@ def main(argv=None):
             raise ValueError("--init %s: vocab_size below the tokenizer size" % args.init)
     else:
         cfgd = build_config(args.config, tok, n_keys, args.vocab_size)
+    if args.window is not None:
+        if args.window < 1:
+            raise ValueError("--window %d: must be at least 1" % args.window)
+        cfgd["text_config"]["sliding_window"] = args.window
     cfg = M.Config(cfgd)
 
     torch.manual_seed(args.seed)
