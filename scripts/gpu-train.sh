@@ -9,15 +9,16 @@
 #   bash scripts/gpu-train.sh finetune OUT the tool-call fine-tune of the committed model
 #                                          (train/data/synth_finetune.py data; its DSpark
 #                                          stages carried, optionally continued), CUDA checks:
-#                                          started in the background, followed ~9 minutes,
-#                                          the model into OUT when it ended
+#                                          started in the background, followed ~9 minutes;
+#                                          the model (packed before the checks) and the logs
+#                                          so far into OUT
 #   bash scripts/gpu-train.sh ft-wait OUT  follow it again (~9 minutes), the model into OUT
 # Inputs (carried): train/out/gpu_bundle.tar.xz (train/data/build_all.sh),
 # train/out/engram_cmap.safetensors (dsx engram-cmap), .device/gpubin.tar.xz (the
 # CUDA build's dsx). Environment: DSX_TRAIN_MINUTES (target, default 7),
 # DSX_DSPARK_MINUTES (default 2.5), DSX_TRAIN_BATCH (default 32). finetune: inputs
 # .device/ft_bundle.tar.xz (data/ft/ of synth_finetune.py, data/heldout_code.txt,
-# data/agent_eval.jsonl, unpacked under train/out) and .device/gpubin.tar.xz; the start
+# data/agent_eval.jsonl, data/chat_eval.jsonl, unpacked under train/out) and .device/gpubin.tar.xz; the start
 # model DSX_FT_INIT (default assets/dsx-small-v41); DSX_FT_MINUTES (default 4),
 # DSX_FT_LR (default 8e-4), DSX_FT_WEIGHTS (class weights, default 1,1,3,12),
 # DSX_FT_DENSE (dense compressed attention for this fraction of the fine-tune, default 0.3:
@@ -36,6 +37,12 @@ follow() {  # $1 = pid file, $2 = log, $3 = seconds
     tail -n 1 "$2"
   done
   if kill -0 "$(cat "$1")" 2>/dev/null; then echo "== still running"; else echo "== ended"; tail -n 30 "$2"; fi
+}
+ft_collect() {  # what the fine-tune job has written so far (the model as soon as it is exported), its logs
+  cp $T/ft_out/model.tar.xz.* "$1"/ 2>/dev/null
+  cp $T/ft_job.log "$1"/
+  [ -d $T/ft_logs ] && tar -C $T/ft_logs -cJf "$1/logs.tar.xz" .
+  ls -la "$1"
 }
 case $phase in
   target)
@@ -73,19 +80,19 @@ case $phase in
     ls -la "$out"
     ;;
   finetune)  # the job below in the background; follow it ~9 minutes, its files into OUT when it ended
-    mkdir -p "$out" $T && rm -rf $T/ft_out
+    mkdir -p "$out" $T && rm -rf $T/ft_out $T/ft_logs
     setsid nohup bash scripts/gpu-train.sh ft-job $T/ft_out >$T/ft_job.log 2>&1 < /dev/null &
     echo $! >$T/ft_job.pid
     follow $T/ft_job.pid $T/ft_job.log "${DSX_FOLLOW_S:-540}"
-    kill -0 "$(cat $T/ft_job.pid)" 2>/dev/null || { cp $T/ft_out/* "$out"/ 2>/dev/null; cp $T/ft_job.log "$out"/; }
+    ft_collect "$out"
     ;;
   ft-wait)
     mkdir -p "$out"
     follow $T/ft_job.pid $T/ft_job.log "${DSX_FOLLOW_S:-560}"
-    kill -0 "$(cat $T/ft_job.pid)" 2>/dev/null || { cp $T/ft_out/* "$out"/ 2>/dev/null; cp $T/ft_job.log "$out"/; }
+    ft_collect "$out"
     ;;
   ft-job)
-    mkdir -p "$out" /tmp/g $T && tar -xJf .device/gpubin.tar.xz -C /tmp/g || exit 1
+    mkdir -p "$out" /tmp/g $T && out=$(cd "$out" && pwd) && tar -xJf .device/gpubin.tar.xz -C /tmp/g || exit 1
     export LD_LIBRARY_PATH=/tmp/g/gpubin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     tar -xJf .device/ft_bundle.tar.xz -C $T || exit 1
     init=${DSX_FT_INIT:-assets/dsx-small-v41}
@@ -108,6 +115,7 @@ case $phase in
         --warmup 20 --out $T/ft_dspark >$L/dspark.log 2>&1; tail -n 3 $L/dspark.log
       m=$T/ft_dspark/model
     fi
+    (cd "$m" && tar -cf - . | xz -T16 -6 | split -b 16m - "$out/model.tar.xz.")  # first, so a cut-off keeps it
     echo "== greedy tool calls (${DSX_EVAL_PROMPTS:-200} held-out prompts, CUDA bf16, 8 shards), DSpark acceptance, perplexity"
     for k in 0 1 2 3 4 5 6 7; do
       python3 -u train/data/eval_agents.py -m $m --dsx /tmp/g/gpubin/dsx --backend cuda --precision bf16 \
@@ -120,6 +128,17 @@ case $phase in
     /tmp/g/gpubin/dsx perplexity -m "$init" -f $T/data/heldout_code.txt --ctx 1024 --backend cuda --precision fp32 \
       --quiet >$L/ppl_init_fp32.txt 2>&1; echo "init fp32: $(tr '\n' ' ' <$L/ppl_init_fp32.txt)"
     wait  # (eval_dspark.py beside the 8 shards got too little of the GPU to finish in 70 s)
+    if [ -f $T/data/chat_eval.jsonl ]; then  # no tools offered: a text answer, no DSML call
+      for k in 0 1 2 3; do
+        python3 -u train/data/eval_agents.py -m $m --eval $T/data/chat_eval.jsonl --dsx /tmp/g/gpubin/dsx \
+          --backend cuda --precision bf16 --shard $k/4 --out $L/eval_chats_$k.jsonl >$L/eval_chats_$k.txt 2>&1 &
+      done
+      wait
+      python3 -c 'import glob, json, sys; r = [json.loads(l) for f in glob.glob(sys.argv[1] + "/eval_chats_*.jsonl") for l in open(f)]; print("held-out chats without tools answered in text: %d/%d" % (sum(x["ok"] for x in r), len(r)))' "$L"
+    fi
+    echo "== the README demo prompt (CUDA bf16, greedy)"
+    /tmp/g/gpubin/dsx run -m "$m" -p "Complete this Python function: def fib(n):" -n 120 --backend cuda --precision bf16 \
+      >$L/demo.txt 2>&1; head -n 12 $L/demo.txt
     timeout "${DSX_EVAL_DSPARK_S:-90}" python3 -u train/eval_dspark.py --model "$m" --text $T/data/heldout_code.txt \
       --device cuda --prompts 32 --prompt-len 256 --gen-len 128 --json $L/eval_dspark.json >$L/eval_dspark.txt 2>&1
     tail -n 4 $L/eval_dspark.txt
@@ -133,9 +152,7 @@ for t in (False, True):
     s = [x for x in r if x["thinking"] == t]
     print("  thinking=%s: %d/%d" % ("on" if t else "off", sum(x["ok"] for x in s), len(s)))
 PY
-    (cd "$m" && tar -cf - . | xz -T16 -6 | split -b 16m - "$out/model.tar.xz.")
-    tar -C $L -cJf "$out/logs.tar.xz" .
-    ls -la "$out"
+    echo "== ft-job done"
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
