@@ -11,6 +11,10 @@ the new ids decoded with the model's tokenizer.json, then dsml_lite.check_comple
 text up to the first DSML block closer (where the server stops generating) must hold at
 least one call, each naming one of the prompt's tools with arguments valid against its
 schema. Prints the pass fraction (and how often the first call names the expected tool).
+Prompts without tools (chat_eval.jsonl, synth_agents.py's held-out plain chats) are judged
+the other way: the completion must answer in text (non-empty, after the thinking when
+thinking) and hold no DSML call, since none can be valid without tools; printed as
+text_answer.
 """
 from __future__ import annotations
 
@@ -38,6 +42,16 @@ def write_ids(path: str, ids) -> None:
     header += b" " * ((8 - len(header) % 8) % 8)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(header)) + header + data)
+
+
+def text_answer(text: str, thinking: bool):
+    """(ok, detail) for a prompt without tools: a text answer, no DSML call."""
+    if dsml_lite.OPEN in text:
+        return False, "a DSML call without tools"
+    p = dsml_lite.parse_completion(text, thinking)
+    if p["error"]:
+        return False, p["error"]
+    return (True, "text") if p["content"].strip() else (False, "empty answer")
 
 
 def main() -> int:
@@ -79,7 +93,10 @@ def main() -> int:
                 raise SystemExit(f"prompt {i}: dsx generate failed: {r.stderr.decode(errors='replace')[:400]}")
             new = [int(x) for x in r.stdout.split()]
             text = tok.decode(new)
-            ok, detail = dsml_lite.check_completion(text, e["tools"], e["thinking"])
+            if e["tools"]:
+                ok, detail = dsml_lite.check_completion(text, e["tools"], e["thinking"])
+            else:
+                ok, detail = text_answer(text, e["thinking"])
             first = dsml_lite.parse_completion(text, e["thinking"])["calls"]
             named = bool(first) and first[0]["name"] == e["expected_tool"]
             n_ok += ok
@@ -94,6 +111,9 @@ def main() -> int:
             for r in results:
                 f.write(json.dumps(r, ensure_ascii=False) + "\n")
     n = len(items)
+    if all(not e["tools"] for e in items):
+        print(f"text_answer {n_ok}/{n} = {n_ok / n:.3f}")
+        return 0
     print(f"tool_call_valid {n_ok}/{n} = {n_ok / n:.3f}")
     print(f"first_call_expected_tool {n_tool}/{n} = {n_tool / n:.3f}")
     for mode in (False, True):

@@ -55,6 +55,7 @@ SETTINGS = {
     "val_agents": 120,
     "val_chats": 80,
     "eval_prompts": 200,
+    "eval_chats": 40,  # held-out plain chats (no tools): chat_eval.jsonl
     "eval_max_tokens": 1024,  # prompt + reference turn
     "thinking_fraction": 0.5,
     "follow_up_fraction": 0.2,
@@ -1408,14 +1409,31 @@ def main() -> int:
                            "expected_calls": [{"name": tc["function"]["name"], "arguments": json.loads(tc["function"]["arguments"])}
                                               for tc in target["tool_calls"]],
                            "reference_completion": ref, "reference_tokens": nref, "scenario": c["scenario"]}) + "\n")
-    stats["eval"] = {"prompts": len(evals), "rejected": rejected,
+    # ---- held-out plain chats (no tools): the answer must be text, never a DSML call ----
+    chat_evals, i = [], 0
+    while len(chat_evals) < SETTINGS["eval_chats"]:
+        c = gen_chat(f"{s}:eval:chat:{i}", pool)
+        i += 1
+        k = max(j for j, m in enumerate(c["messages"]) if m["role"] == "user") + 1
+        if prefix_key(c, k) in train_prefixes:
+            rejected["in_training"] += 1
+            continue
+        chat_evals.append((c, k))
+    cids = render_all([request_json(c, c["messages"][:k]) for c, k in chat_evals], args.tokenizer, args.workers)
+    with open(os.path.join(args.data, "chat_eval.jsonl"), "w", encoding="utf-8") as f:
+        for (c, k), p in zip(chat_evals, cids):
+            f.write(jdump({"messages": c["messages"][:k], "tools": [], "thinking": c["thinking"],
+                           "reasoning_effort": None, "prompt_ids": p, "expected_tool": None,
+                           "scenario": "chat:" + c["scenario"]}) + "\n")
+    stats["eval"] = {"prompts": len(evals), "chats": len(chat_evals), "rejected": rejected,
                      "thinking": sum(1 for e in evals if e[0]["thinking"]),
                      "first_call": sum(1 for e in evals if e[0]["call_points"][0][0] == e[1]),
                      "max_prompt_tokens": max(len(e[3]) for e in evals)}
     with open(os.path.join(out, "eval_stats.json" if args.eval_only else "stats.json"), "w", encoding="utf-8") as f:
         json.dump(stats, f, indent=1)
         f.write("\n")
-    log(f"agent_eval.jsonl: {len(evals)} prompts (rejected: {json.dumps(rejected)}); done in {time.time() - t0:.1f} s")
+    log(f"agent_eval.jsonl: {len(evals)} prompts, chat_eval.jsonl: {len(chat_evals)} chats (rejected: "
+        f"{json.dumps(rejected)}); done in {time.time() - t0:.1f} s")
     return 0
 
 

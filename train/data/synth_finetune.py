@@ -17,7 +17,9 @@ VERIFY_EVERY-th variant is rendered again with `dsx render --ids` and compared i
 Conversations come from synth_agents.gen_agent (same scenarios, simulated repository and
 tool results) with seeds "ft24:...", which none of synth_agents' splits use (train "24:train",
 eval "24:eval"); agent_eval.jsonl stays the judge and is not read except to check that no
-fine-tune prompt equals one of its prompts.
+fine-tune prompt equals one of its prompts. CHATS plain chats without tools
+(synth_agents.gen_chat, seeds "ft24:chat:<i>") go in beside them, so that the model keeps
+answering in text when no tool is offered.
 
 Layout (--out, default train/out/data/ft/):
   train.bin      uint16 ids in blocks of 1024 tokens; a block holds whole conversations (at
@@ -66,6 +68,11 @@ SETTINGS = {
     "verify_every": 25,
     "original_name_fraction": 0.0,
     "invented_name_fraction": 0.1,
+    # plain chats without tools (synth_agents.gen_chat: complete / write / explain Python), so
+    # that the fine-tune keeps answering in text when no tool is offered (a fine-tune on
+    # agent conversations only taught the model to open a DSML call after every request,
+    # the README demo's included)
+    "chats": 3000,
 }
 BLOCK_CLASSES = {"corpus": 0, "context": 1, "assistant": 2, "name": 3}
 PH_RE = re.compile(r"QQ[TK][0-9x]+QQ")
@@ -359,6 +366,22 @@ def corpus_tokens(data: str, name: str, budget: int, rng: random.Random, tokeniz
     return [flat[starts[k]:starts[k + 1]] for k in range(len(starts) - 1)]
 
 
+def tokenize_texts(texts: List[str], tokenizer: str) -> List[np.ndarray]:
+    """`dsx tokenize` of rendered conversations (each starts with BOS): one id array each."""
+    with tempfile.NamedTemporaryFile("w", encoding="utf-8", suffix=".txt", delete=False, newline="") as f:
+        f.write("".join(texts))
+        path = f.name
+    try:
+        r = subprocess.run([SA.dsx_bin(), "tokenize", "--tokenizer", tokenizer, "-f", path], capture_output=True, check=True)
+    finally:
+        os.remove(path)
+    flat = np.fromstring(r.stdout, dtype=np.int64, sep=" ")
+    starts = list(np.flatnonzero(flat == 0)) + [len(flat)]
+    if len(starts) - 1 != len(texts):
+        raise SystemExit(f"tokenized {len(starts) - 1} conversations, expected {len(texts)}")
+    return [flat[starts[k]:starts[k + 1]] for k in range(len(texts))]
+
+
 class CorpusStream:
     """Pieces of corpus documents (each starting with BOS) in a seeded order, endlessly."""
 
@@ -439,18 +462,7 @@ def main() -> int:
                     raise SystemExit(f"conversation {i} variant {v}: a prefix equals a held-out eval prompt")
             variants.append((conv, substitute(text, names)))
 
-    with tempfile.NamedTemporaryFile("w", encoding="utf-8", suffix=".txt", delete=False, newline="") as f:
-        f.write("".join(t for _, t in variants))
-        path = f.name
-    try:
-        r = subprocess.run([SA.dsx_bin(), "tokenize", "--tokenizer", args.tokenizer, "-f", path], capture_output=True, check=True)
-    finally:
-        os.remove(path)
-    flat = np.fromstring(r.stdout, dtype=np.int64, sep=" ")
-    starts = list(np.flatnonzero(flat == 0)) + [len(flat)]
-    if len(starts) - 1 != len(variants):
-        raise SystemExit(f"tokenized {len(starts) - 1} conversations, expected {len(variants)}")
-    ids = [flat[starts[k]:starts[k + 1]] for k in range(len(variants))]
+    ids = tokenize_texts([t for _, t in variants], args.tokenizer)
     check = list(range(0, len(variants), SETTINGS["verify_every"]))
     direct = SA.render_all([SA.request_json(variants[k][0]) for k in check], args.tokenizer, args.workers)
     for k, d in zip(check, direct):
@@ -458,9 +470,21 @@ def main() -> int:
             raise SystemExit(f"variant {k}: substituted render + tokenize differs from dsx render --ids")
     log(f"{len(variants)} variants tokenized; {len(check)} checked against dsx render --ids ({time.time() - t0:.1f} s)")
 
+    chats = [SA.gen_chat(f"{SETTINGS['seed']}:chat:{i}", pool) for i in range(SETTINGS["chats"])]
+    chat_texts = SA.render_all([SA.request_json(c) for c in chats], None, args.workers)
+    chat_ids = tokenize_texts(chat_texts, args.tokenizer)
+    check_chats = list(range(0, len(chats), SETTINGS["verify_every"]))
+    direct = SA.render_all([SA.request_json(chats[k]) for k in check_chats], args.tokenizer, args.workers)
+    for k, d in zip(check_chats, direct):
+        if d != chat_ids[k].tolist():
+            raise SystemExit(f"chat {k}: render + tokenize differs from dsx render --ids")
+    log(f"{len(chats)} plain chats rendered and tokenized ({time.time() - t0:.1f} s)")
+
     B = SETTINGS["block"]
     convs = [(x, token_classes(tok, x.tolist(), t)) for x, (_, t) in zip(ids, variants) if len(x) <= B]
-    dropped = len(variants) - len(convs)
+    n_agent_convs = len(convs)
+    convs += [(x, token_classes(tok, x.tolist(), t)) for x, t in zip(chat_ids, chat_texts) if len(x) <= B]
+    dropped = len(variants) + len(chats) - len(convs)
     rng = random.Random(f"{SETTINGS['seed']}:pack")
     rng.shuffle(convs)
     crng = random.Random(f"{SETTINGS['seed']}:corpus")
@@ -504,7 +528,8 @@ def main() -> int:
 
     val = corpus_tokens(args.data, "val_code.txt", 1 << 40, random.Random(0), args.tokenizer)
     np.concatenate(val).astype("<u2").tofile(os.path.join(out, "val.bin"))
-    stats = {"settings": SETTINGS, "variants": len(variants), "dropped_over_block": dropped,
+    stats = {"settings": SETTINGS, "variants": len(variants), "agent_conversations": n_agent_convs,
+             "chats": len(convs) - n_agent_convs, "dropped_over_block": dropped,
              "verified_with_render_ids": len(check), "blocks": len(blocks_ids), "code_only_blocks": n_code_blocks,
              "tokens": int(len(all_ids)), "tokens_by_class": counts,
              "val_tokens": int(sum(len(v) for v in val)),
