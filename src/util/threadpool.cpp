@@ -51,9 +51,13 @@ class Pool {
     t_in_worker = true;
     work();
     t_in_worker = false;
+    // Every chunk done and every worker that joined this region out of work(): a worker
+    // still between its last claim and the end test would otherwise read the next
+    // region's counter and chunk count, run a chunk twice and count it twice (seen: a
+    // region that never ended, one that ended while a chunk still ran).
     std::unique_lock<std::mutex> g(mu_);
-    done_cv_.wait(g, [&] { return done_ == chunks_; });
-    fn_ = nullptr;
+    done_cv_.wait(g, [&] { return done_ == chunks_ && active_ == 0; });
+    fn_ = nullptr;  // under the lock: no worker joins this region any more
   }
 
  private:
@@ -77,8 +81,11 @@ class Pool {
         cv_.wait(g, [&] { return stopping_ || (generation_ != seen && fn_ != nullptr); });
         if (stopping_) return;
         seen = generation_;
+        ++active_;
       }
       work();
+      std::lock_guard<std::mutex> g(mu_);
+      if (--active_ == 0 && done_ == chunks_) done_cv_.notify_all();
     }
   }
 
@@ -97,6 +104,7 @@ class Pool {
   std::condition_variable cv_, done_cv_;
   const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
   int64_t n_ = 0, chunks_ = 0, done_ = 0;
+  int active_ = 0;  // workers inside work() for the current region
   std::atomic<int64_t> next_{0};
   uint64_t generation_ = 0;
   bool stopping_ = false;
