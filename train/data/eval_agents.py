@@ -44,11 +44,11 @@ def write_ids(path: str, ids) -> None:
         f.write(struct.pack("<Q", len(header)) + header + data)
 
 
-def text_answer(text: str, thinking: bool):
-    """(ok, detail) for a prompt without tools: a text answer, no DSML call."""
+def text_answer(text: str, p):
+    """(ok, detail) for a prompt without tools: a text answer, no DSML call
+    (p: dsml_lite.parse_completion of the text)."""
     if dsml_lite.OPEN in text:
         return False, "a DSML call without tools"
-    p = dsml_lite.parse_completion(text, thinking)
     if p["error"]:
         return False, p["error"]
     return (True, "text") if p["content"].strip() else (False, "empty answer")
@@ -93,11 +93,12 @@ def main() -> int:
                 raise SystemExit(f"prompt {i}: dsx generate failed: {r.stderr.decode(errors='replace')[:400]}")
             new = [int(x) for x in r.stdout.split()]
             text = tok.decode(new)
+            parsed = dsml_lite.parse_completion(text, e["thinking"])
             if e["tools"]:
                 ok, detail = dsml_lite.check_completion(text, e["tools"], e["thinking"])
             else:
-                ok, detail = text_answer(text, e["thinking"])
-            first = dsml_lite.parse_completion(text, e["thinking"])["calls"]
+                ok, detail = text_answer(text, parsed)
+            first = parsed["calls"]
             named = bool(first) and first[0]["name"] == e["expected_tool"]
             n_ok += ok
             n_tool += named

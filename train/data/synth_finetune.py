@@ -354,8 +354,13 @@ def corpus_tokens(data: str, name: str, budget: int, rng: random.Random, tokeniz
             break
         chosen.append(d)
         n += len(d.encode("utf-8"))
+    return tokenize_at_bos([SA.BOS + d for d in chosen], tokenizer)
+
+
+def tokenize_at_bos(texts: List[str], tokenizer: str) -> List[np.ndarray]:
+    """`dsx tokenize` of the joined texts (each starts with BOS), split before every BOS id."""
     with tempfile.NamedTemporaryFile("w", encoding="utf-8", suffix=".txt", delete=False, newline="") as f:
-        f.write("".join(SA.BOS + d for d in chosen))
+        f.write("".join(texts))
         path = f.name
     try:
         r = subprocess.run([SA.dsx_bin(), "tokenize", "--tokenizer", tokenizer, "-f", path], capture_output=True, check=True)
@@ -366,20 +371,22 @@ def corpus_tokens(data: str, name: str, budget: int, rng: random.Random, tokeniz
     return [flat[starts[k]:starts[k + 1]] for k in range(len(starts) - 1)]
 
 
-def tokenize_texts(texts: List[str], tokenizer: str) -> List[np.ndarray]:
-    """`dsx tokenize` of rendered conversations (each starts with BOS): one id array each."""
-    with tempfile.NamedTemporaryFile("w", encoding="utf-8", suffix=".txt", delete=False, newline="") as f:
-        f.write("".join(texts))
-        path = f.name
-    try:
-        r = subprocess.run([SA.dsx_bin(), "tokenize", "--tokenizer", tokenizer, "-f", path], capture_output=True, check=True)
-    finally:
-        os.remove(path)
-    flat = np.fromstring(r.stdout, dtype=np.int64, sep=" ")
-    starts = list(np.flatnonzero(flat == 0)) + [len(flat)]
-    if len(starts) - 1 != len(texts):
-        raise SystemExit(f"tokenized {len(starts) - 1} conversations, expected {len(texts)}")
-    return [flat[starts[k]:starts[k + 1]] for k in range(len(texts))]
+def tokenize_conversations(texts: List[str], tokenizer: str) -> List[np.ndarray]:
+    """Rendered conversations -> one id array each."""
+    ids = tokenize_at_bos(texts, tokenizer)
+    if len(ids) != len(texts):
+        raise SystemExit(f"tokenized {len(ids)} conversations, expected {len(texts)}")
+    return ids
+
+
+def verify_renders(what: str, convs: List[Dict[str, Any]], ids: List[np.ndarray], workers: int, tokenizer: str) -> int:
+    """Every VERIFY_EVERY-th conversation rendered again with `dsx render --ids`: equal ids."""
+    check = list(range(0, len(convs), SETTINGS["verify_every"]))
+    direct = SA.render_all([SA.request_json(convs[k]) for k in check], tokenizer, workers)
+    for k, d in zip(check, direct):
+        if d != ids[k].tolist():
+            raise SystemExit(f"{what} {k}: render + tokenize differs from dsx render --ids")
+    return len(check)
 
 
 class CorpusStream:
@@ -462,22 +469,14 @@ def main() -> int:
                     raise SystemExit(f"conversation {i} variant {v}: a prefix equals a held-out eval prompt")
             variants.append((conv, substitute(text, names)))
 
-    ids = tokenize_texts([t for _, t in variants], args.tokenizer)
-    check = list(range(0, len(variants), SETTINGS["verify_every"]))
-    direct = SA.render_all([SA.request_json(variants[k][0]) for k in check], args.tokenizer, args.workers)
-    for k, d in zip(check, direct):
-        if d != ids[k].tolist():
-            raise SystemExit(f"variant {k}: substituted render + tokenize differs from dsx render --ids")
-    log(f"{len(variants)} variants tokenized; {len(check)} checked against dsx render --ids ({time.time() - t0:.1f} s)")
+    ids = tokenize_conversations([t for _, t in variants], args.tokenizer)
+    n_checked = verify_renders("variant", [c for c, _ in variants], ids, args.workers, args.tokenizer)
+    log(f"{len(variants)} variants tokenized; {n_checked} checked against dsx render --ids ({time.time() - t0:.1f} s)")
 
     chats = [SA.gen_chat(f"{SETTINGS['seed']}:chat:{i}", pool) for i in range(SETTINGS["chats"])]
     chat_texts = SA.render_all([SA.request_json(c) for c in chats], None, args.workers)
-    chat_ids = tokenize_texts(chat_texts, args.tokenizer)
-    check_chats = list(range(0, len(chats), SETTINGS["verify_every"]))
-    direct = SA.render_all([SA.request_json(chats[k]) for k in check_chats], args.tokenizer, args.workers)
-    for k, d in zip(check_chats, direct):
-        if d != chat_ids[k].tolist():
-            raise SystemExit(f"chat {k}: render + tokenize differs from dsx render --ids")
+    chat_ids = tokenize_conversations(chat_texts, args.tokenizer)
+    verify_renders("chat", chats, chat_ids, args.workers, args.tokenizer)
     log(f"{len(chats)} plain chats rendered and tokenized ({time.time() - t0:.1f} s)")
 
     B = SETTINGS["block"]
@@ -530,7 +529,7 @@ def main() -> int:
     np.concatenate(val).astype("<u2").tofile(os.path.join(out, "val.bin"))
     stats = {"settings": SETTINGS, "variants": len(variants), "agent_conversations": n_agent_convs,
              "chats": len(convs) - n_agent_convs, "dropped_over_block": dropped,
-             "verified_with_render_ids": len(check), "blocks": len(blocks_ids), "code_only_blocks": n_code_blocks,
+             "verified_with_render_ids": n_checked, "blocks": len(blocks_ids), "code_only_blocks": n_code_blocks,
              "tokens": int(len(all_ids)), "tokens_by_class": counts,
              "val_tokens": int(sum(len(v) for v in val)),
              "sha256": {f: hashlib.sha256(open(os.path.join(out, f), "rb").read()).hexdigest()
